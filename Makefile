@@ -1,0 +1,32 @@
+# The two commands: `make demo` and `make test`. Both create .venv and install what they need, once.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# On this CPU machine torch==2.13.0 resolves to the local CPU build; on a Linux GPU box the same pin
+# takes PyPI's CUDA build. Any other torch: `make install TORCH='torch==2.x.y'`.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install install-test demo test clean
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	HF_HUB_OFFLINE=1 $(BIN)/replicadp demo
+
+test: install-test
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

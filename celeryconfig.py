@@ -1,0 +1,52 @@
+"""Every Celery setting replicadp uses, each with the reason for it. Values come from
+replicadp_tasks.settings, which reads the environment once at start-up."""
+
+from replicadp_tasks.settings import SETTINGS as _S
+
+# One Redis serves as broker and result backend; REDIS_URL (or `replicadp up`'s state) names it.
+broker_url = _S.redis_url
+result_backend = _S.redis_url
+
+# JSON only: a pickled message on the queue would be code execution on a GPU host.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+# Every request goes to one shared queue that all replicas pull from.
+task_default_queue = _S.queue
+
+# One request at a time per replica (one GPU); prefork, not solo, so heartbeats, control commands,
+# time limits and requeue on shutdown keep working while a request runs.
+worker_pool = "prefork"
+worker_concurrency = 1
+# Reserve no request beyond the one running: a replica never sits on work another idle replica could do.
+worker_prefetch_multiplier = 1
+# Acknowledge after the request ends, so a request whose replica dies goes back to the queue.
+task_acks_late = True
+# A pool child killed mid-request (OOM, CUDA crash) requeues its request instead of failing it.
+task_reject_on_worker_lost = True
+# STARTED tells a client that its request left the queue and which replica took it.
+task_track_started = True
+# Task events feed Flower; the sent event lets it show queued requests too.
+worker_send_task_events = True
+task_send_sent_event = True
+# Results hold metadata only, so keeping them a day costs little.
+result_expires = _S.result_ttl_s
+
+# Soft limit: the request fails with SoftTimeLimitExceeded; hard limit: the child is replaced.
+task_soft_time_limit = _S.soft_time_limit_s
+task_time_limit = _S.time_limit_s
+# Redis redelivers an unacknowledged message after visibility_timeout: keep it above the hard limit,
+# or a long request runs twice.
+broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300}
+# An unreachable Redis is a clear error within seconds, not a hang.
+redis_socket_connect_timeout = 5
+broker_connection_timeout = 5
+# A replacement pool child loads the model before it reports UP; give it the time a real model needs.
+worker_proc_alive_timeout = _S.load_timeout_s
+# Replicas come up before or after Redis; keep retrying instead of exiting.
+broker_connection_retry_on_startup = True
+# A request running when the broker connection drops keeps running; its result is keyed by request_id,
+# so a redelivery returns the stored result instead of computing a second one.
+worker_cancel_long_running_tasks_on_connection_loss = False

@@ -1,0 +1,163 @@
+"""Starting and stopping a set of replicas through worker_launch.sh, and `up` / `down` state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from replicadp_tasks.settings import STATE_DIR, STATE_FILE
+
+from .api import live_replicas
+from .embedded import EmbeddedServer, stop_pid
+
+LAUNCHER = Path(__file__).resolve().parent.parent / "worker_launch.sh"
+
+
+def replica_names(n: int) -> list[str]:
+    return [f"replica{i}@{socket.gethostname()}" for i in range(n)]
+
+
+class Replicas:
+    """N replicas run by one worker_launch.sh process (its own process group)."""
+
+    def __init__(self, n: int, *, redis_url: str, model: str, devices: str = "cpu", threads: int | None = None,
+                 gpus_per_replica: int = 1, log_path: Path, env: dict | None = None):
+        self.n, self.log_path, self.redis_url = n, Path(log_path), redis_url
+        self.env = {
+            **os.environ,
+            # The launcher runs `celery` from this interpreter's environment.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "REDIS_URL": redis_url, "REPLICADP_MODEL": model, "NUM_REPLICAS": str(n), "DEVICES": devices,
+            "GPUS_PER_REPLICA": str(gpus_per_replica), **(env or {}),
+        }
+        if threads:
+            self.env["THREADS_PER_REPLICA"] = str(threads)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return replica_names(self.n)
+
+    def start(self, timeout: float = 300.0) -> "Replicas":
+        """Start the replicas and return once each holds its model and consumes the queue."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # Its own session: stop() can end the launcher and every replica as one group.
+            self.proc = subprocess.Popen(["bash", str(LAUNCHER), "--loglevel", "INFO"], env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        want = set(self.names)
+        while not want <= set(live_replicas(timeout=0.5, url=self.redis_url)):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker_launch.sh exited ({self.proc.returncode}); see {self.log_path}:\n"
+                                   + tail(self.log_path))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas not ready after {timeout:.0f} s; see {self.log_path}:\n" + tail(self.log_path))
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM (replicas finish their running request), then SIGKILL the group if it lingers."""
+        if self.proc is None:
+            return
+        stop_group(self.proc.pid, timeout, self.proc)
+        self.proc.wait()
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def stop_group(pgid: int, timeout: float, leader: subprocess.Popen | None = None) -> None:
+    """End a process group that we started: SIGTERM to its leader, SIGKILL to the group after `timeout`.
+    `leader` is the group leader's Popen when it is our child, so that it is reaped, not left a zombie."""
+    try:
+        os.kill(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# --- `replicadp up` / `replicadp down`: the same, detached, with the PIDs in STATE_FILE ---------------
+
+def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: int, timeout: float) -> dict:
+    if STATE_FILE.exists():
+        raise RuntimeError(f"already up (state in {STATE_FILE}); run `replicadp down` first")
+    run_dir = STATE_DIR / "run"
+    state = {"run_dir": str(run_dir), "model": model, "replicas": replica_names(n)}
+    server = None
+    redis_url = os.environ.get("REDIS_URL")
+    if not redis_url:
+        server = EmbeddedServer(run_dir / "redis")
+        redis_url = server.start(detach=True)
+        state["server_pid"] = server.proc.pid
+    state["redis_url"] = redis_url
+    replicas = Replicas(n, redis_url=redis_url, model=model, devices=devices, threads=threads,
+                        gpus_per_replica=gpus_per_replica, log_path=run_dir / "replicas.log")
+    try:
+        _write_state(state)  # before the replicas start, so `down` can always clean up
+        replicas.start(timeout)
+    except BaseException:
+        if server:
+            server.stop()
+        STATE_FILE.unlink(missing_ok=True)
+        raise
+    state["launcher_pid"] = replicas.proc.pid
+    _write_state(state)
+    return state
+
+
+def down() -> dict | None:
+    try:
+        state = json.loads(STATE_FILE.read_text())
+    except FileNotFoundError:
+        return None
+    if state.get("launcher_pid"):
+        stop_group(state["launcher_pid"], timeout=60)
+    if state.get("server_pid"):
+        stop_pid(state["server_pid"])
+    STATE_FILE.unlink(missing_ok=True)
+    return state
+
+
+def _write_state(state: dict) -> None:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = STATE_FILE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.chmod(0o600)  # it holds the Redis password
+    tmp.replace(STATE_FILE)

@@ -1,0 +1,40 @@
+"""The errors replicadp raises, and what each one fails: the request or the process."""
+
+
+class ReplicaDPError(Exception):
+    """Base of every replicadp error."""
+
+
+class InvalidRequest(ReplicaDPError, ValueError):
+    """Raised when a generate argument fails validation; the message names the field and the value.
+
+    Fails the request (state FAILURE, never retried); the replica keeps serving.
+    """
+
+
+class RequestIdConflict(InvalidRequest):
+    """Raised when a request_id already holds a result made from different inputs.
+
+    Fails the request: reusing an idempotency key for new inputs would hand back someone else's video.
+    """
+
+
+class ImageInputError(InvalidRequest):
+    """Raised when the `image` argument cannot be fetched or decoded into a first frame.
+
+    Fails the request.
+    """
+
+
+class ModelLoadError(ReplicaDPError):
+    """Raised when a replica cannot load its model (bad spec, missing folder, no weights).
+
+    Fails the process: the replica exits and its supervisor reports or restarts it.
+    """
+
+
+class StoreError(ReplicaDPError):
+    """Raised when the output store cannot write or read a video.
+
+    Fails the request.
+    """

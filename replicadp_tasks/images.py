@@ -1,0 +1,86 @@
+"""The optional first frame (`image`): fetched, bounded and decoded before the model sees it."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import urllib.request
+from pathlib import Path
+
+from .errors import ImageInputError
+
+# A first frame has at most a few megapixels; anything larger is a decompression bomb, not a frame.
+MAX_PIXELS = 40_000_000
+
+
+def _read_bytes(image: str, max_bytes: int, timeout_s: int, image_dir: Path | None) -> bytes:
+    """Bytes behind `image`: an http(s) URL, a base64 data URI, raw base64, or a path under image_dir."""
+    if image.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(image, timeout=timeout_s) as resp:
+                data = resp.read(max_bytes + 1)
+        except OSError as exc:
+            raise ImageInputError(f"image={image[:80]!r}: download failed: {exc}") from exc
+    elif image.startswith("data:"):
+        header, _, payload = image.partition(",")
+        if ";base64" not in header:
+            raise ImageInputError(f"image={image[:40]!r}: only base64 data URIs are accepted")
+        data = _b64(payload, max_bytes)
+        if data is None:
+            raise ImageInputError(f"image={image[:40]!r}: invalid base64 in data URI")
+    elif "://" in image:
+        raise ImageInputError(f"image={image[:80]!r}: scheme not allowed; use http(s), data: or base64")
+    else:
+        data = _b64(image, max_bytes)
+        if data is None:
+            # Not base64 (a file name has a '.'): a local path, allowed only under REPLICADP_IMAGE_DIR.
+            if image_dir is None:
+                raise ImageInputError(f"image={image[:80]!r}: neither base64 nor a URL, and local paths "
+                                      "are refused unless REPLICADP_IMAGE_DIR is set") from None
+            data = _local(image_dir, image, max_bytes)
+    if len(data) > max_bytes:
+        raise ImageInputError(f"image: more than {max_bytes} bytes (REPLICADP_MAX_IMAGE_BYTES)")
+    return data
+
+
+def _b64(payload: str, max_bytes: int) -> bytes | None:
+    """Decoded base64, or None if `payload` is not base64."""
+    if len(payload) > max_bytes * 4 // 3 + 4:
+        raise ImageInputError(f"image: more than {max_bytes} bytes (REPLICADP_MAX_IMAGE_BYTES)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _local(image_dir: Path, image: str, max_bytes: int) -> bytes:
+    if "\x00" in image or len(image) > 4096:
+        raise ImageInputError(f"image={image[:80]!r}: not a usable path")
+    path = (image_dir / image).resolve()
+    if not path.is_relative_to(image_dir):
+        raise ImageInputError(f"image={image[:80]!r}: outside REPLICADP_IMAGE_DIR")
+    try:
+        with open(path, "rb") as f:
+            return f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ImageInputError(f"image={image[:80]!r}: {exc}") from exc
+
+
+def load_first_frame(image: str, width: int, height: int, *, max_bytes: int, timeout_s: int,
+                     image_dir: Path | None):
+    """Return (PIL RGB image resized to width x height, sha256 of the source bytes)."""
+    from PIL import Image
+
+    data = _read_bytes(image, max_bytes, timeout_s, image_dir)
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            if probe.width * probe.height > MAX_PIXELS:
+                raise ImageInputError(f"image: {probe.width}x{probe.height} is more than {MAX_PIXELS} pixels")
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+    except ImageInputError:
+        raise
+    except Exception as exc:  # PIL raises many types for corrupt data
+        raise ImageInputError(f"image: cannot decode ({type(exc).__name__}: {exc})") from exc
+    return img.resize((width, height), Image.Resampling.BICUBIC), hashlib.sha256(data).hexdigest()

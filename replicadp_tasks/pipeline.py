@@ -1,0 +1,133 @@
+"""The pipeline holder: one resident Wan pipeline per replica, loaded once and reused for every request.
+
+Imports no Celery; torch and diffusers are imported when the model loads, so that a Celery main process
+that imports this module never initialises CUDA (a forked child could not use it afterwards).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import ModelLoadError
+from .validate import GenerateRequest
+from .video import to_uint8
+
+TINY_SPECS = {"tiny": "wan2.2-ti2v", "tiny-wan2.1": "wan2.1-t2v"}
+
+
+def resolve_model(spec: str, model_cache: Path) -> str:
+    """A model spec to what from_pretrained takes: a local folder or a hub id."""
+    if spec in TINY_SPECS:
+        from .tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model(model_cache / spec, TINY_SPECS[spec]))
+    if Path(spec).expanduser().is_dir():
+        return str(Path(spec).expanduser().resolve())
+    if spec.startswith((".", "/", "~")):
+        raise ModelLoadError(f"REPLICADP_MODEL={spec!r}: no such folder")
+    return spec  # a hub id: from_pretrained looks in the local cache, or downloads unless HF_HUB_OFFLINE=1
+
+
+def describe_device(device: str) -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"{device} (CUDA_VISIBLE_DEVICES={visible})" if device.startswith("cuda") and visible else device
+
+
+class PipelineHolder:
+    """Holds the loaded pipeline; `generate` runs one request on it."""
+
+    def __init__(self, spec: str, *, model_cache: Path, threads: int = 1, vae_tiling: bool = False):
+        self.spec = spec
+        self.model_cache = model_cache
+        self.threads = threads
+        self.vae_tiling = vae_tiling
+        self.pipe = None
+        self._i2v = None
+        self.device = "cpu"
+
+    @property
+    def size_multiple(self) -> int:
+        """Height and width must be multiples of this: VAE downsampling times the patch size."""
+        return self.pipe.vae_scale_factor_spatial * self.pipe.transformer.config.patch_size[1]
+
+    @property
+    def accepts_image(self) -> bool:
+        """Only TI2V models (Wan2.2-TI2V-5B) take a first frame; Wan2.1/2.2 T2V have no image channels."""
+        return bool(self.pipe.config.get("expand_timesteps"))
+
+    def load(self) -> None:
+        """Load the pipeline onto this replica's device."""
+        import diffusers
+        import torch
+        import transformers
+        from diffusers import AutoencoderKLWan, WanPipeline
+
+        # Load-time progress bars would fill the replica's log with carriage returns.
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+        # 1. Resolve the spec to a folder or hub id (building the tiny model if it is missing).
+        source = resolve_model(self.spec, self.model_cache)
+        # 2. The device and dtypes: bf16 on CUDA with the VAE in fp32 (bf16 VAE decoding shows banding);
+        #    fp32 on CPU, with a fixed thread count so that replicas share the cores.
+        if torch.cuda.is_available():
+            self.device, dtype = "cuda", torch.bfloat16
+        else:
+            self.device, dtype = "cpu", torch.float32
+            torch.set_num_threads(self.threads)
+        # 3. Load with from_pretrained: the same path for a hub model, a local folder and `tiny`.
+        try:
+            vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", dtype=torch.float32)
+            if torch.cuda.device_count() > 1:  # a replica spanning GPUS_PER_REPLICA GPUs
+                pipe = WanPipeline.from_pretrained(source, vae=vae, dtype=dtype, device_map="balanced")
+            else:
+                pipe = WanPipeline.from_pretrained(source, vae=vae, dtype=dtype).to(self.device)
+        except (OSError, ValueError, EnvironmentError) as exc:
+            raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load from {source!r}: {exc}") from exc
+        # 4. Options that trade speed for memory.
+        if self.vae_tiling:
+            pipe.vae.enable_tiling()
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe = pipe
+
+    def generate(self, req: GenerateRequest, image=None,
+                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Run one request; return uint8 frames shaped (num_frames, height, width, 3).
+
+        `image` is an optional PIL first frame (TI2V); `on_step(step, total)` is called after each denoising step.
+        """
+        import torch
+
+        # 1. A CPU generator seeded per request: the noise is the same on any device and any replica.
+        generator = torch.Generator("cpu").manual_seed(req.seed)
+        kwargs = dict(
+            prompt=req.prompt, negative_prompt=req.negative_prompt, height=req.height, width=req.width,
+            num_frames=req.num_frames, num_inference_steps=req.num_inference_steps,
+            guidance_scale=req.guidance_scale, max_sequence_length=req.max_sequence_length,
+            generator=generator, output_type="np",
+        )
+        if on_step is not None:
+            def callback(pipe, step, timestep, callback_kwargs):
+                on_step(step + 1, req.num_inference_steps)
+                return callback_kwargs
+
+            kwargs["callback_on_step_end"] = callback
+        # 2. Text-to-video on the resident pipeline, or image-to-video on a view sharing its weights.
+        pipe = self.pipe
+        if image is not None:
+            if self._i2v is None:
+                from diffusers import WanImageToVideoPipeline
+
+                self._i2v = WanImageToVideoPipeline.from_pipe(self.pipe)
+            pipe, kwargs["image"] = self._i2v, image
+        with torch.inference_mode():
+            frames = pipe(**kwargs).frames[0]
+        # 3. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
+        frames = to_uint8(np.asarray(frames))
+        expected = (req.num_frames, req.height, req.width, 3)
+        if frames.shape != expected:
+            raise RuntimeError(f"pipeline returned frames of shape {frames.shape}, expected {expected}")
+        return frames

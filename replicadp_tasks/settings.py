@@ -1,0 +1,108 @@
+"""replicadp's settings: each a named default with the reason for it, overridable by an environment
+variable, read once when the process starts (`SETTINGS`). Celery's own settings live in celeryconfig.py
+and take their values from here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Where `replicadp up` records the embedded server's URL, so that a plain `generate.delay()` finds it.
+STATE_DIR = Path(os.environ.get("REPLICADP_STATE_DIR", Path.home() / ".replicadp"))
+STATE_FILE = STATE_DIR / "state.json"
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not an integer") from None
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+def _redis_url() -> str:
+    """REDIS_URL wins; else the embedded server that `replicadp up` started; else a local Redis."""
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"]
+    try:
+        return json.loads(STATE_FILE.read_text())["redis_url"]
+    except (OSError, ValueError, KeyError):
+        return "redis://127.0.0.1:6379/0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str
+    model: str
+    queue: str
+    output_dir: Path
+    store: str
+    store_ttl_s: int
+    result_ttl_s: int
+    threads: int
+    vae_tiling: bool
+    soft_time_limit_s: int
+    time_limit_s: int
+    load_timeout_s: int
+    max_prompt_chars: int
+    max_image_bytes: int
+    image_timeout_s: int
+    image_dir: Path | None
+    model_cache: Path
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        image_dir = os.environ.get("REPLICADP_IMAGE_DIR")
+        return cls(
+            redis_url=_redis_url(),
+            # The production model; `tiny` is the offline stand-in that tests and the demo use.
+            model=os.environ.get("REPLICADP_MODEL", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
+            # One shared queue that every replica pulls from: routing is work-conserving by construction.
+            queue=os.environ.get("REPLICADP_QUEUE", "video"),
+            # Absolute, so that video URIs mean the same to every process on the host.
+            output_dir=Path(os.environ.get("OUTPUT_DIR", "outputs")).resolve(),
+            # "dir" needs a disk shared with the clients; "redis" keeps the bytes in Redis under a TTL.
+            store=os.environ.get("REPLICADP_STORE", "dir"),
+            # A day: long enough to fetch a video, short enough not to fill Redis.
+            store_ttl_s=_int("REPLICADP_STORE_TTL", 86400),
+            # Results are metadata only (a few hundred bytes); keep them as long as the videos.
+            result_ttl_s=_int("REPLICADP_RESULT_TTL", 86400),
+            # CPU replicas: threads per replica, so that N replicas share the cores without oversubscription.
+            threads=_int("REPLICADP_THREADS", 1),
+            # Decoding 832x480 in tiles lowers the VAE's peak memory at some speed cost; off by default.
+            vae_tiling=_bool("REPLICADP_VAE_TILING", False),
+            # Past the soft limit the request fails cleanly with SoftTimeLimitExceeded; a 5B request is minutes.
+            soft_time_limit_s=_int("REPLICADP_SOFT_TIME_LIMIT", 1740),
+            # Past the hard limit the pool child is killed and replaced (a hung CUDA kernel).
+            time_limit_s=_int("REPLICADP_TIME_LIMIT", 1800),
+            # A replacement pool child that loads for longer than this is killed; a 5B model loads in ~1-2 min.
+            load_timeout_s=_int("REPLICADP_LOAD_TIMEOUT", 900),
+            # Wan's text encoder sees 512 tokens; 4000 characters is well past that and bounds the message.
+            max_prompt_chars=_int("REPLICADP_MAX_PROMPT_CHARS", 4000),
+            # A first frame is at most a few MB; larger inputs are refused before decoding.
+            max_image_bytes=_int("REPLICADP_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
+            # A slow image server must not hold a GPU.
+            image_timeout_s=_int("REPLICADP_IMAGE_TIMEOUT", 10),
+            # Local image paths are refused unless they lie under this folder.
+            image_dir=Path(image_dir).resolve() if image_dir else None,
+            # Where `tiny` models are built on first use; shared by the replicas of a host.
+            model_cache=Path(os.environ.get("REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models")),
+        )
+
+
+SETTINGS = Settings.from_env()

@@ -1,0 +1,153 @@
+"""Validation of `generate` arguments, before anything reaches the model.
+
+Every error names the field and the value. Nothing is rounded or clamped: diffusers silently floors bad
+sizes and frame counts, which would hand the caller a video other than the one asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from .errors import InvalidRequest
+
+# The reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
+DEFAULTS = {
+    "negative_prompt": "",
+    "seed": 0,
+    "height": 480,
+    "width": 832,
+    "num_frames": 33,
+    "num_inference_steps": 30,
+    "guidance_scale": 5.0,
+    "fps": 24,
+    "max_sequence_length": 512,
+    "image": None,
+    "request_id": None,
+}
+FIELDS = ("prompt", *DEFAULTS)
+
+MAX_SIDE = 4096
+MAX_FRAMES = 1025
+MAX_STEPS = 200
+MAX_GUIDANCE = 20.0
+MAX_FPS = 120
+MAX_SEQUENCE_LENGTH = 512
+MAX_SEED = 2**63 - 1
+# A request_id becomes a file name and a Redis key: a conservative alphabet, no separators, bounded.
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """The validated inputs of one request. Every field that changes the output is here."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    height: int
+    width: int
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    fps: int
+    max_sequence_length: int
+    image: str | None
+    request_id: str | None
+
+    def params(self, image_sha256: str | None = None) -> dict:
+        """The effective inputs as reported back: the image by its hash, not its (possibly huge) bytes."""
+        p = asdict(self)
+        del p["request_id"], p["image"]
+        p["image_sha256"] = image_sha256
+        return p
+
+
+def input_key(params: dict, model: str) -> str:
+    """Identity of an input: every argument that changes the output, plus the model."""
+    canonical = json.dumps({**params, "model": model}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _fail(field: str, value, why: str):
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise InvalidRequest(f"{field}={shown}: {why}")
+
+
+def _int(field: str, value, lo: int, hi: int) -> int:
+    # bool is an int in Python; a JSON `true` for a frame count is a client bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(field, value, f"must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        _fail(field, value, f"must be between {lo} and {hi}")
+    return value
+
+
+def _float(field: str, value, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(field, value, f"must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        _fail(field, value, "must be a finite number")
+    if not lo <= value <= hi:
+        _fail(field, value, f"must be between {lo} and {hi}")
+    return float(value)
+
+
+def _text(field: str, value, max_chars: int, required: bool) -> str:
+    if not isinstance(value, str):
+        _fail(field, value, f"must be a string, got {type(value).__name__}")
+    if "\x00" in value:
+        _fail(field, value, "must not contain NUL characters")
+    if required and not value.strip():
+        _fail(field, value, "must not be empty")
+    if len(value) > max_chars:
+        _fail(field, value, f"is {len(value)} characters long; the limit is {max_chars}")
+    return value
+
+
+def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000) -> GenerateRequest:
+    """Check `generate`'s keyword arguments and return them with defaults filled in.
+
+    `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B).
+    Raises InvalidRequest naming the first bad field.
+    """
+    unknown = sorted(set(kwargs) - set(FIELDS))
+    if unknown:
+        _fail(unknown[0], kwargs[unknown[0]], f"unknown argument; accepted: {', '.join(FIELDS)}")
+    if "prompt" not in kwargs or kwargs["prompt"] is None:
+        _fail("prompt", None, "is required")
+    v = {**DEFAULTS, **{k: x for k, x in kwargs.items() if x is not None}}
+
+    for side in ("height", "width"):
+        _int(side, v[side], size_multiple, MAX_SIDE)
+        if v[side] % size_multiple:
+            _fail(side, v[side], f"must be a multiple of {size_multiple} for this model")
+    _int("num_frames", v["num_frames"], 1, MAX_FRAMES)
+    if (v["num_frames"] - 1) % 4:
+        _fail("num_frames", v["num_frames"], "must be of the form 4k+1 (1, 5, 9, ..., 33, ...)")
+    request_id = v["request_id"]
+    if request_id is not None and (not isinstance(request_id, str) or not REQUEST_ID_RE.fullmatch(request_id)):
+        _fail("request_id", request_id, "must be 1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit")
+    image = v["image"]
+    if image is not None and (not isinstance(image, str) or not image):
+        _fail("image", image, "must be a non-empty string (a path, an http(s) URL or base64)")
+
+    return GenerateRequest(
+        prompt=_text("prompt", v["prompt"], max_prompt_chars, required=True),
+        negative_prompt=_text("negative_prompt", v["negative_prompt"], max_prompt_chars, required=False),
+        seed=_int("seed", v["seed"], 0, MAX_SEED),
+        height=v["height"],
+        width=v["width"],
+        num_frames=v["num_frames"],
+        num_inference_steps=_int("num_inference_steps", v["num_inference_steps"], 1, MAX_STEPS),
+        guidance_scale=_float("guidance_scale", v["guidance_scale"], 0.0, MAX_GUIDANCE),
+        fps=_int("fps", v["fps"], 1, MAX_FPS),
+        max_sequence_length=_int("max_sequence_length", v["max_sequence_length"], 1, MAX_SEQUENCE_LENGTH),
+        image=image,
+        request_id=request_id,
+    )

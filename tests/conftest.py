@@ -1,0 +1,59 @@
+"""Fixtures: a real embedded Redis-protocol server and real replica processes running the tiny model.
+
+Everything a test session starts lives under one temp folder and is stopped at the end, also on failure.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# Before anything imports replicadp_tasks.settings (read once): no hub, and state, model cache and
+# outputs in a folder of the session's own, never the user's `replicadp up` state.
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="replicadp-tests-"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["REPLICADP_STATE_DIR"] = str(SESSION_DIR / "state")
+os.environ["REPLICADP_MODEL_CACHE"] = str(SESSION_DIR / "models")
+os.environ["OUTPUT_DIR"] = str(SESSION_DIR / "outputs")
+os.environ.pop("REDIS_URL", None)
+
+import pytest  # noqa: E402
+
+from client.api import use_redis  # noqa: E402
+from client.embedded import EmbeddedServer  # noqa: E402
+from client.replicas import Replicas  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A fresh embedded Valkey (password, 127.0.0.1, append-only): clean before the session, gone after.
+    This process's Celery app points at its DB 0."""
+    server = EmbeddedServer(SESSION_DIR / "redis")
+    use_redis(server.start())
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The tiny Wan2.2-TI2V-style model, built once into the session's model cache."""
+    from replicadp_tasks.pipeline import resolve_model
+
+    return Path(resolve_model("tiny", Path(os.environ["REPLICADP_MODEL_CACHE"])))
+
+
+def start_replicas(n: int, redis_url: str, name: str, **env) -> Replicas:
+    return Replicas(n, redis_url=redis_url, model="tiny", threads=1, env=env,
+                    log_path=SESSION_DIR / "logs" / f"{name}.log").start(timeout=180)
+
+
+@pytest.fixture(scope="session")
+def replicas(redis_server, tiny_model):
+    """Two replicas (one CPU thread each) serving the tiny model from DB 0, shared by the session."""
+    group = start_replicas(2, redis_server.url, "replicas")
+    yield group
+    group.stop()

@@ -1,0 +1,110 @@
+"""Pieces tested alone: validation, the output store, bit-exact encoding, the batch file reader."""
+
+import json
+
+import numpy as np
+import pytest
+
+from client.submit import BatchFileError, read_batch
+from replicadp_tasks.errors import InvalidRequest
+from replicadp_tasks.store import DirStore, fetch_video
+from replicadp_tasks.validate import DEFAULTS, input_key, validate_request
+from replicadp_tasks.video import decode_mp4, encode_mp4, frames_sha256
+
+
+def test_defaults_are_the_reference_workload():
+    """Without arguments beyond the prompt, a request is vllm-omni's reference: 832x480, 33 frames, 30 steps."""
+    req = validate_request({"prompt": "x"}, size_multiple=32)
+    assert (req.width, req.height, req.num_frames, req.num_inference_steps) == (832, 480, 33, 30)
+    assert req.seed == DEFAULTS["seed"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("height", 480.0, "height=480.0: must be an integer"),
+    ("height", True, "height=True: must be an integer"),
+    ("width", "832", "width='832': must be an integer"),
+    ("width", -32, "width=-32: must be between"),
+    ("height", 10**9, "must be between"),
+    ("num_frames", 32, "num_frames=32: must be of the form 4k\\+1"),
+    ("guidance_scale", float("inf"), "guidance_scale=inf: must be a finite number"),
+    ("guidance_scale", 25, "guidance_scale=25: must be between 0.0 and 20.0"),
+    ("num_inference_steps", 201, "num_inference_steps=201"),
+    ("seed", -1, "seed=-1"),
+    ("prompt", "", "prompt='': must not be empty"),
+    ("prompt", "a\x00b", "must not contain NUL"),
+    ("prompt", "x" * 5000, "is 5000 characters long; the limit is 4000"),
+    ("request_id", "../../etc/passwd", "request_id='../../etc/passwd'"),
+    ("request_id", "a/b", "request_id='a/b'"),
+    ("request_id", "x" * 129, "request_id="),
+    ("image", 5, "image=5"),
+    ("steps", 30, "steps=30: unknown argument"),
+])
+def test_validation_names_field_and_value(field, value, message):
+    """Every bad value is refused with an error naming the field and the value; nothing is rounded."""
+    with pytest.raises(InvalidRequest, match=message):
+        validate_request({"prompt": "a fox", field: value}, size_multiple=32)
+
+
+def test_missing_prompt_and_unicode_prompt():
+    """The prompt is required; any Unicode is accepted as is."""
+    with pytest.raises(InvalidRequest, match="prompt=None: is required"):
+        validate_request({}, size_multiple=16)
+    assert validate_request({"prompt": "狐狸 🦊 в снегу"}).prompt == "狐狸 🦊 в снегу"
+
+
+def test_input_key_covers_every_output_changing_input():
+    """Two inputs that differ in any output-changing field, or in the model, have different keys."""
+    base = validate_request({"prompt": "x"}).params()
+    keys = {input_key(base, "tiny"), input_key(base, "other")}
+    for field, value in [("seed", 1), ("height", 64), ("num_frames", 9), ("guidance_scale", 1.0),
+                         ("negative_prompt", "blur"), ("max_sequence_length", 64), ("fps", 16),
+                         ("image_sha256", "ab")]:
+        keys.add(input_key({**base, field: value}, "tiny"))
+    assert len(keys) == 10
+
+
+def test_dir_store_first_writer_wins(tmp_path):
+    """Two deliveries of one request_id: the first stored result stays and is what both get back."""
+    store = DirStore(tmp_path)
+    first = store.put("r1", b"first", {"n": 1})
+    second = store.put("r1", b"second", {"n": 2})
+    assert first == second == store.get_meta("r1")
+    assert first["n"] == 1 and fetch_video(first["video_uri"], "") == b"first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r1.json", "r1.mp4"]  # no temp files left
+
+
+def test_encoding_is_bit_exact_and_decodes_to_the_frames():
+    """The same frames always give the same MP4 bytes; they decode to the same shape, close in value."""
+    y, x = np.mgrid[0:32, 0:48]
+    frame = np.stack([x * 5, y * 7, (x + y) * 3], axis=-1).astype(np.uint8)  # smooth: H.264 keeps it close
+    frames = np.stack([np.roll(frame, t, axis=1) for t in range(5)])
+    a, b = encode_mp4(frames, 24), encode_mp4(frames, 24)
+    assert a == b
+    decoded = decode_mp4(a)
+    assert decoded.shape == frames.shape
+    assert np.abs(decoded.astype(int) - frames.astype(int)).mean() < 8
+    assert frames_sha256(frames) != frames_sha256(frames.reshape(5, 48, 32, 3))
+
+
+def test_batch_file_reports_every_bad_line_with_its_number(tmp_path):
+    """A malformed JSONL file is refused as a whole, listing each bad line by number."""
+    f = tmp_path / "batch.jsonl"
+    f.write_text('{"prompt": "ok"}\nnot json\n{"prompt": "x", "height": 33}\n[1]\n{"prompt": "fine", "seed": 2}\n')
+    with pytest.raises(BatchFileError) as err:
+        read_batch(f)
+    text = str(err.value)
+    assert "line 2: not JSON" in text and "line 3: height=33" in text and "line 4: expected a JSON object" in text
+    assert "\nline 1:" not in text and "\nline 5:" not in text
+
+
+def test_batch_file_ids_are_stable(tmp_path):
+    """Plain text is one prompt per line; lines without a request_id get the same id on every read."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("a fox\n\na whale\n")
+    first, again = read_batch(f), read_batch(f)
+    assert [n for n, _ in first] == [1, 3]
+    assert [kw["request_id"] for _, kw in first] == [kw["request_id"] for _, kw in again]
+    assert first[0][1]["prompt"] == "a fox"
+    j = tmp_path / "b.jsonl"
+    j.write_text(json.dumps({"prompt": "x", "request_id": "mine"}) + "\n")
+    assert read_batch(j)[0][1]["request_id"] == "mine"

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Start one replica per GPU (or per group of GPUS_PER_REPLICA GPUs), each a Celery worker holding one
+# resident pipeline. Ctrl-C or SIGTERM stops them all. Extra arguments go to `celery worker`.
+#
+#   NUM_REPLICAS=4 DEVICES=0,1,2,3 REPLICADP_MODEL=Wan-AI/Wan2.2-TI2V-5B-Diffusers ./worker_launch.sh
+#   NUM_REPLICAS=2 DEVICES=cpu THREADS_PER_REPLICA=1 REPLICADP_MODEL=tiny ./worker_launch.sh
+#
+# NUM_REPLICAS         replicas to start (default 1)
+# DEVICES              comma-separated GPU ids, or "cpu" (default: every GPU nvidia-smi lists, else cpu)
+# GPUS_PER_REPLICA     GPUs per replica; DEVICES must hold NUM_REPLICAS * GPUS_PER_REPLICA ids (default 1)
+# THREADS_PER_REPLICA  CPU threads per replica on cpu (default: cores / NUM_REPLICAS, at least 1)
+# CELERY               the celery command (default: celery)
+set -euo pipefail
+
+NUM_REPLICAS=${NUM_REPLICAS:-1}
+GPUS_PER_REPLICA=${GPUS_PER_REPLICA:-1}
+CELERY=${CELERY:-celery}
+
+die() { echo "worker_launch.sh: $*" >&2; exit 2; }
+
+[[ $NUM_REPLICAS =~ ^[1-9][0-9]*$ ]] || die "NUM_REPLICAS=$NUM_REPLICAS: must be a positive integer"
+[[ $GPUS_PER_REPLICA =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_REPLICA=$GPUS_PER_REPLICA: must be a positive integer"
+
+if [[ -z ${DEVICES:-} ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    DEVICES=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -)
+  else
+    DEVICES=cpu
+  fi
+fi
+
+if [[ $DEVICES == cpu ]]; then
+  cores=$(nproc)
+  THREADS_PER_REPLICA=${THREADS_PER_REPLICA:-$(( cores / NUM_REPLICAS > 0 ? cores / NUM_REPLICAS : 1 ))}
+  [[ $THREADS_PER_REPLICA =~ ^[1-9][0-9]*$ ]] || die "THREADS_PER_REPLICA=$THREADS_PER_REPLICA: must be a positive integer"
+else
+  IFS=, read -ra ids <<< "$DEVICES"
+  for id in "${ids[@]}"; do
+    [[ $id =~ ^[0-9]+$ ]] || die "DEVICES=$DEVICES: '$id' is not a GPU index (use e.g. 0,1,2,3 or cpu)"
+  done
+  need=$(( NUM_REPLICAS * GPUS_PER_REPLICA ))
+  (( ${#ids[@]} == need )) || die "DEVICES=$DEVICES lists ${#ids[@]} GPU(s); NUM_REPLICAS=$NUM_REPLICAS x GPUS_PER_REPLICA=$GPUS_PER_REPLICA needs $need"
+  dupes=$(printf '%s\n' "${ids[@]}" | sort | uniq -d | paste -sd, -)
+  [[ -z $dupes ]] || die "DEVICES=$DEVICES lists GPU $dupes more than once"
+fi
+
+pids=()
+stop() {
+  trap - INT TERM
+  echo "worker_launch.sh: stopping ${#pids[@]} replica(s)" >&2
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+  wait "${pids[@]}" 2>/dev/null || true
+  exit 0
+}
+trap stop INT TERM
+
+for (( i = 0; i < NUM_REPLICAS; i++ )); do
+  if [[ $DEVICES == cpu ]]; then
+    # An empty CUDA_VISIBLE_DEVICES hides every GPU: the replica runs on the CPU.
+    env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$THREADS_PER_REPLICA" REPLICADP_THREADS="$THREADS_PER_REPLICA" \
+      "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
+  else
+    mine=$(IFS=,; echo "${ids[*]:$(( i * GPUS_PER_REPLICA )):$GPUS_PER_REPLICA}")
+    env CUDA_VISIBLE_DEVICES="$mine" "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
+  fi
+  pids+=($!)
+done
+echo "worker_launch.sh: started ${#pids[@]} replica(s) on DEVICES=$DEVICES" >&2
+
+# A replica that exits leaves the others serving; the launcher ends when all have.
+wait "${pids[@]}"
