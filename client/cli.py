@@ -330,6 +330,56 @@ def demo(num_requests, concurrency, size, num_frames, steps, model, output_dir):
     sys.exit(0 if iso["passed"] and all(r["failed"] == 0 for r in reports) else 1)
 
 
+@main.command()
+@click.option("--replicas", "counts", default="1,2,4,8", show_default=True, help="Replica counts to run, comma-separated.")
+@click.option("--model", default="tiny", show_default=True,
+              help="Model spec for the replicas; synthetic:SECONDS is the benchmark-only backend.")
+@click.option("--devices", default="cpu", show_default=True, help="GPU ids (the first N are used at N) or cpu.")
+@click.option("--threads", type=int, default=1, show_default=True, help="CPU threads per replica (cpu only).")
+@click.option("--num-requests", default=32, show_default=True, help="Rounded up to a multiple of every N.")
+@click.option("--concurrency", default=0, show_default=True, help="In flight at most; 0 = 2 x replicas.")
+@click.option("--warmup", default=-1, show_default=True, help="Untimed requests per N; -1 = N.")
+@click.option("--base-seed", default=42, show_default=True)
+@click.option("--size", default="832x480", show_default=True, callback=parse_size)
+@click.option("--num-frames", default=33, show_default=True)
+@click.option("--steps", default=30, show_default=True)
+@click.option("--timeout", default=1800.0, show_default=True)
+@click.option("--out", default="bench-results/sweep", show_default=True, type=click.Path(path_type=Path),
+              help="Output prefix: writes PREFIX.json, PREFIX.md and PREFIX.png.")
+def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, base_seed, size, num_frames, steps,
+          timeout, out):
+    """Run the same bench at each replica count; print the scaling table, write JSON, Markdown and a PNG."""
+    from .sweep import even_request_count, run_sweep, write_outputs
+
+    try:
+        ns = sorted({int(x) for x in counts.split(",")})
+        if ns[0] < 1:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"{counts!r}: expected positive integers like 1,2,4,8", param_hint="--replicas")
+    total = even_request_count(num_requests, ns)
+    if total != num_requests:
+        console.print(f"--num-requests {num_requests} -> {total}: a multiple of every N, so that no replica idles "
+                      "through an uneven tail")
+    cfg = benchmod.BenchConfig(num_requests=total, concurrency=concurrency, warmup=warmup, base_seed=base_seed,
+                               width=size[0], height=size[1], num_frames=num_frames, steps=steps, timeout=timeout)
+    reports = run_sweep(ns, cfg, model=model, threads=threads, devices=devices, run_bench=run_bench,
+                        log=lambda m: console.print(f"[dim]{m}[/dim]"), env={"HF_HUB_OFFLINE": "1"})
+    title = (f"{model}, {size[0]}x{size[1]}, {num_frames} frames, {steps} steps, {total} requests, "
+             f"{threads} thread(s)/replica" if devices == "cpu" else f"{model} on GPUs {devices}")
+    t = Table(title=title)
+    for col in ("replicas", "concurrency", "videos/min", "scaling", "efficiency", "p50 latency", "p90 latency", "failed"):
+        t.add_column(col, justify="right")
+    for r in reports:
+        t.add_row(str(r["replicas"]), str(r["config"]["concurrency"]), f"{r['videos_per_min']:.2f}",
+                  f"{r['scaling']:.2f}x", f"{100 * r['efficiency']:.1f}%", f"{r['latency_s']['p50']:.2f} s",
+                  f"{r['latency_s']['p90']:.2f} s", str(r["failed"]))
+    console.print(t)
+    paths = write_outputs(reports, out, title)
+    console.print("wrote " + ", ".join(map(str, paths)))
+    sys.exit(0 if all(r["failed"] == 0 for r in reports) else 1)
+
+
 @main.command("make-tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--variant", type=click.Choice(["wan2.2-ti2v", "wan2.1-t2v"]), default="wan2.2-ti2v", show_default=True)

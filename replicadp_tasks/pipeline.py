@@ -6,7 +6,10 @@ that imports this module never initialises CUDA (a forked child could not use it
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +20,22 @@ from .validate import GenerateRequest
 from .video import to_uint8
 
 TINY_SPECS = {"tiny": "wan2.2-ti2v", "tiny-wan2.1": "wan2.1-t2v"}
+# `synthetic:SECONDS` is a benchmark-only backend: SECONDS per request of the reference size, scaled by work.
+SYNTHETIC_PREFIX = "synthetic:"
+REFERENCE_WORK = 832 * 480 * 33 * 30  # height x width x frames x steps of the reference request
+
+
+def synthetic_seconds(spec: str) -> float | None:
+    """SECONDS of a `synthetic:SECONDS` spec, or None for a real model."""
+    if not spec.startswith(SYNTHETIC_PREFIX):
+        return None
+    try:
+        seconds = float(spec[len(SYNTHETIC_PREFIX):])
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < 86400:
+        raise ModelLoadError(f"REPLICADP_MODEL={spec!r}: expected synthetic:SECONDS with 0 <= SECONDS < 86400")
+    return seconds
 
 
 def resolve_model(spec: str, model_cache: Path) -> str:
@@ -48,19 +67,25 @@ class PipelineHolder:
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
+        self.synthetic_s = synthetic_seconds(spec)
 
     @property
     def size_multiple(self) -> int:
         """Height and width must be multiples of this: VAE downsampling times the patch size."""
+        if self.synthetic_s is not None:
+            return 16
         return self.pipe.vae_scale_factor_spatial * self.pipe.transformer.config.patch_size[1]
 
     @property
     def accepts_image(self) -> bool:
         """Only TI2V models (Wan2.2-TI2V-5B) take a first frame; Wan2.1/2.2 T2V have no image channels."""
-        return bool(self.pipe.config.get("expand_timesteps"))
+        return self.synthetic_s is not None or bool(self.pipe.config.get("expand_timesteps"))
 
     def load(self) -> None:
         """Load the pipeline onto this replica's device."""
+        if self.synthetic_s is not None:
+            self.device = "cpu (synthetic benchmark backend)"
+            return
         import diffusers
         import torch
         import transformers
@@ -99,6 +124,8 @@ class PipelineHolder:
 
         `image` is an optional PIL first frame (TI2V); `on_step(step, total)` is called after each denoising step.
         """
+        if self.synthetic_s is not None:
+            return self._synthetic(req, image, on_step)
         import torch
 
         # 1. A CPU generator seeded per request: the noise is the same on any device and any replica.
@@ -131,3 +158,22 @@ class PipelineHolder:
         if frames.shape != expected:
             raise RuntimeError(f"pipeline returned frames of shape {frames.shape}, expected {expected}")
         return frames
+
+    def _synthetic(self, req: GenerateRequest, image, on_step) -> np.ndarray:
+        """Benchmark-only: sleep the request's share of SECONDS step by step (so 8 replicas fit on 2 cores),
+        then return frames that are a function of the inputs alone: one flat colour per frame, cheap to encode."""
+        work = req.height * req.width * req.num_frames * req.num_inference_steps
+        duration = self.synthetic_s * work / REFERENCE_WORK
+        start = time.monotonic()
+        for step in range(1, req.num_inference_steps + 1):
+            # Absolute deadlines: progress reporting does not stretch the request.
+            time.sleep(max(0.0, start + duration * step / req.num_inference_steps - time.monotonic()))
+            if on_step is not None:
+                on_step(step, req.num_inference_steps)
+        seed = hashlib.sha256(json.dumps(req.params(), sort_keys=True).encode())  # not request_id
+        if image is not None:
+            seed.update(image.tobytes())
+        stream = b"".join(hashlib.sha256(seed.digest() + i.to_bytes(4, "big")).digest()
+                          for i in range(req.num_frames * 3 // 32 + 1))
+        colours = np.frombuffer(stream[:req.num_frames * 3], np.uint8).reshape(req.num_frames, 1, 1, 3)
+        return np.ascontiguousarray(np.broadcast_to(colours, (req.num_frames, req.height, req.width, 3)))

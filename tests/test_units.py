@@ -1,13 +1,18 @@
 """Pieces tested alone: validation, the output store, bit-exact encoding, the batch file reader."""
 
 import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from client.submit import BatchFileError, read_batch
 from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.store import DirStore, fetch_video
+from replicadp_tasks.store import DirStore, RedisStore, fetch_video
 from replicadp_tasks.validate import DEFAULTS, input_key, validate_request
 from replicadp_tasks.video import decode_mp4, encode_mp4, frames_sha256
 
@@ -108,3 +113,38 @@ def test_batch_file_ids_are_stable(tmp_path):
     j = tmp_path / "b.jsonl"
     j.write_text(json.dumps({"prompt": "x", "request_id": "mine"}) + "\n")
     assert read_batch(j)[0][1]["request_id"] == "mine"
+
+
+def test_importing_the_worker_package_loads_no_torch():
+    """A replica's main process imports replicadp_tasks before forking its pool child: torch (and with it
+    CUDA) must stay out of it, or the child could not use the GPU."""
+    code = "import sys, replicadp_tasks, client.cli; sys.exit('torch' in sys.modules or 'diffusers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_redis_store_first_writer_wins_and_fetches(redis_server):
+    """The Redis store (for hosts without a shared disk) keeps the first result under a TTL, and
+    fetch_video reads the bytes back from its video_uri."""
+    import redis
+
+    store = RedisStore(redis.Redis.from_url(redis_server.url), ttl_s=60)
+    rid = f"redis-store-{uuid.uuid4().hex}"
+    first = store.put(rid, b"mp4 bytes", {"n": 1})
+    assert store.put(rid, b"other", {"n": 2}) == first == store.get_meta(rid)
+    assert fetch_video(first["video_uri"], redis_server.url) == b"mp4 bytes"
+    assert 0 < redis.Redis.from_url(redis_server.url).ttl(first["video_uri"].split(":", 1)[1]) <= 60
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NUM_REPLICAS": "2", "DEVICES": "0,1,2"}, "DEVICES=0,1,2 lists 3 GPU(s); NUM_REPLICAS=2 x GPUS_PER_REPLICA=1 needs 2"),
+    ({"NUM_REPLICAS": "2", "DEVICES": "0,1", "GPUS_PER_REPLICA": "2"}, "needs 4"),
+    ({"NUM_REPLICAS": "2", "DEVICES": "0,0"}, "lists GPU 0 more than once"),
+    ({"NUM_REPLICAS": "1", "DEVICES": "gpu0"}, "'gpu0' is not a GPU index"),
+    ({"NUM_REPLICAS": "zero"}, "NUM_REPLICAS=zero: must be a positive integer"),
+])
+def test_worker_launch_checks_devices_against_counts(env, message):
+    """worker_launch.sh refuses a device list that does not fit the replica counts, with a clear message,
+    before starting anything."""
+    run = subprocess.run(["bash", str(Path(__file__).parent.parent / "worker_launch.sh")],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and message in run.stderr
