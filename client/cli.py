@@ -184,7 +184,8 @@ def print_report(rep: dict) -> None:
 @click.option("--concurrency", default=0, show_default=True, help="Requests in flight at most; 0 = queue all.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per request.")
 @click.option("--save-dir", type=click.Path(file_okay=False, path_type=Path), help="Fetch the MP4s into this folder.")
-def submit(file, results, concurrency, timeout, save_dir):
+@click.option("--longest-first", is_flag=True, help="Submit the largest requests first (shorter makespan for mixed sizes).")
+def submit(file, results, concurrency, timeout, save_dir, longest_first):
     """Submit a batch: JSONL (generate's arguments per line) or plain text (one prompt per line).
 
     Re-running the same file skips the requests that already completed."""
@@ -198,6 +199,10 @@ def submit(file, results, concurrency, timeout, save_dir):
     results = results or file.with_name(file.name + ".results.jsonl")
     done = completed_ids(results)
     todo = [(n, kw) for n, kw in batch if kw["request_id"] not in done]
+    if longest_first:
+        from .submit import work
+
+        todo.sort(key=lambda item: work(item[1]), reverse=True)
     console.print(f"{len(batch)} request(s) in {file}; {len(batch) - len(todo)} already completed; "
                   f"submitting {len(todo)}")
     if not todo:

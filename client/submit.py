@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.validate import validate_request
+from replicadp_tasks.validate import DEFAULTS, validate_request
 
 
 class BatchFileError(Exception):
@@ -54,6 +54,19 @@ def read_batch(path: Path) -> list[tuple[int, dict]]:
             raise BatchFileError(f"{path}: line {n}: request_id {kwargs['request_id']!r} repeats line {seen[kwargs['request_id']]}")
         seen[kwargs["request_id"]] = n
     return requests
+
+
+def work(kwargs: dict) -> int:
+    """A request's relative cost: pixels x frames x steps (the reference workload's defaults where unset)."""
+    d = DEFAULTS
+    return (kwargs.get("height") or d["height"]) * (kwargs.get("width") or d["width"]) * \
+        (kwargs.get("num_frames") or d["num_frames"]) * (kwargs.get("num_inference_steps") or d["num_inference_steps"])
+
+
+def longest_first(requests: list[dict]) -> list[dict]:
+    """Largest requests first (stable): with every request known up front, the short ones fill the gaps at
+    the end instead of one long request running alone."""
+    return sorted(requests, key=work, reverse=True)
 
 
 def completed_ids(results_path: Path) -> set[str]:
