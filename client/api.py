@@ -73,7 +73,7 @@ def redis_url() -> str:
 
 def use_redis(url: str) -> None:
     """Point this process, and the replicas it starts, at `url`: for a server started after import (the demo,
-    the tests). Call it before the first request."""
+    the tests). Call it once, before the first request: the app's connection pools keep the first URL."""
     os.environ["REDIS_URL"] = url
     app.conf.update(broker_url=url, result_backend=url)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ def flight_text(in_flight) -> str:
 @click.group()
 def main():
     """replicadp: replica data parallelism for video diffusion models on Celery + Redis."""
+    # SIGTERM unwinds like Ctrl-C, so the demo, sweep and bench stop what they started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 @main.command()

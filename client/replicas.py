@@ -14,7 +14,7 @@ from pathlib import Path
 from replicadp_tasks.settings import STATE_DIR, STATE_FILE
 
 from .api import live_replicas
-from .embedded import EmbeddedServer, stop_pid
+from .embedded import EmbeddedServer, die_with_parent, stop_pid
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "worker_launch.sh"
 
@@ -27,8 +27,8 @@ class Replicas:
     """N replicas run by one worker_launch.sh process (its own process group)."""
 
     def __init__(self, n: int, *, redis_url: str, model: str, devices: str = "cpu", threads: int | None = None,
-                 gpus_per_replica: int = 1, log_path: Path, env: dict | None = None):
-        self.n, self.log_path, self.redis_url = n, Path(log_path), redis_url
+                 gpus_per_replica: int = 1, log_path: Path, env: dict | None = None, detach: bool = False):
+        self.n, self.log_path, self.redis_url, self.detach = n, Path(log_path), redis_url, detach
         self.env = {
             **os.environ,
             # The launcher runs `celery` from this interpreter's environment.
@@ -50,7 +50,8 @@ class Replicas:
         with open(self.log_path, "ab") as log:
             # Its own session: stop() can end the launcher and every replica as one group.
             self.proc = subprocess.Popen(["bash", str(LAUNCHER), "--loglevel", "INFO"], env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=None if self.detach else die_with_parent)
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -128,7 +129,7 @@ def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: 
         state["server_pid"] = server.proc.pid
     state["redis_url"] = redis_url
     replicas = Replicas(n, redis_url=redis_url, model=model, devices=devices, threads=threads,
-                        gpus_per_replica=gpus_per_replica, log_path=run_dir / "replicas.log")
+                        gpus_per_replica=gpus_per_replica, log_path=run_dir / "replicas.log", detach=True)
     try:
         _write_state(state)  # before the replicas start, so `down` can always clean up
         replicas.start(timeout)

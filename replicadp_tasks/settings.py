@@ -60,6 +60,7 @@ class Settings:
     time_limit_s: int
     load_timeout_s: int
     max_prompt_chars: int
+    max_work: int
     max_image_bytes: int
     image_timeout_s: int
     image_dir: Path | None
@@ -94,6 +95,9 @@ class Settings:
             load_timeout_s=_int("REPLICADP_LOAD_TIMEOUT", 900),
             # Wan's text encoder sees 512 tokens; 4000 characters is well past that and bounds the message.
             max_prompt_chars=_int("REPLICADP_MAX_PROMPT_CHARS", 4000),
+            # Budget per request, height x width x frames x steps: 1280x720, 121 frames, 50 steps (Wan2.2's
+            # largest preset); larger requests are refused before they reach the GPU.
+            max_work=_int("REPLICADP_MAX_WORK", 1280 * 720 * 121 * 50),
             # A first frame is at most a few MB; larger inputs are refused before decoding.
             max_image_bytes=_int("REPLICADP_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
             # A slow image server must not hold a GPU.

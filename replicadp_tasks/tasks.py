@@ -21,7 +21,7 @@ def generate(self, prompt=None, **kwargs):
     started = time.time()
     pipeline, store = worker.holder(), worker.store()
     req = validate_request({"prompt": prompt, **kwargs}, size_multiple=pipeline.size_multiple,
-                           max_prompt_chars=SETTINGS.max_prompt_chars)
+                           max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
     request_id = req.request_id or self.request.id
     image, image_sha256 = None, None
     if req.image is not None:

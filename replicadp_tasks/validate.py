@@ -98,11 +98,17 @@ def _float(field: str, value, lo: float, hi: float) -> float:
     return float(value)
 
 
+# C0 control characters (and DEL) other than tab and newlines: never part of a prompt, often an attack on logs
+# and terminals. Refused, not stripped: no silent fix-up.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 def _text(field: str, value, max_chars: int, required: bool) -> str:
     if not isinstance(value, str):
         _fail(field, value, f"must be a string, got {type(value).__name__}")
-    if "\x00" in value:
-        _fail(field, value, "must not contain NUL characters")
+    bad = _CONTROL.search(value)
+    if bad:
+        _fail(field, value, f"control character {bad.group()!r} at position {bad.start()}; only tab and newlines are allowed")
     if required and not value.strip():
         _fail(field, value, "must not be empty")
     if len(value) > max_chars:
@@ -110,10 +116,12 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
     return value
 
 
-def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000) -> GenerateRequest:
+def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
+                     max_work: int | None = None) -> GenerateRequest:
     """Check `generate`'s keyword arguments and return them with defaults filled in.
 
-    `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B).
+    `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
+    deployment's budget for height x width x num_frames x num_inference_steps.
     Raises InvalidRequest naming the first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
@@ -137,7 +145,7 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     if image is not None and (not isinstance(image, str) or not image):
         _fail("image", image, "must be a non-empty string (a path, an http(s) URL or base64)")
 
-    return GenerateRequest(
+    req = GenerateRequest(
         prompt=_text("prompt", v["prompt"], max_prompt_chars, required=True),
         negative_prompt=_text("negative_prompt", v["negative_prompt"], max_prompt_chars, required=False),
         seed=_int("seed", v["seed"], 0, MAX_SEED),
@@ -151,3 +159,9 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
         image=image,
         request_id=request_id,
     )
+    work = req.height * req.width * req.num_frames * req.num_inference_steps
+    if max_work is not None and work > max_work:
+        _fail("height x width x num_frames x num_inference_steps",
+              f"{req.height}x{req.width}x{req.num_frames}x{req.num_inference_steps}",
+              f"= {work} is over this deployment's budget REPLICADP_MAX_WORK={max_work}")
+    return req

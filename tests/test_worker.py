@@ -62,8 +62,9 @@ def test_progress_is_reported_per_denoising_step(replicas):
                             num_inference_steps=24)
     seen = []
     while not result.ready():
-        if result.state == "PROGRESS":
-            seen.append(dict(result.info))
+        meta = app.backend.get_task_meta(result.id)  # state and info read together, not one after the other
+        if meta["status"] == "PROGRESS":
+            seen.append(meta["result"])
         time.sleep(0.005)
     assert result.successful()
     assert seen, "no PROGRESS state observed"
