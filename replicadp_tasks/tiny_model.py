@@ -110,8 +110,11 @@ def save_tiny_model(directory, variant: str = "wan2.2-ti2v") -> pathlib.Path:
     tmp.chmod(0o755)  # mkdtemp makes it 0700; the model is shared, e.g. with workers running as another user
     try:
         from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
 
-        diffusers_logging.disable_progress_bar()  # a bar for one tiny shard is noise in the demo's output
+        # A progress bar for one tiny shard is noise in the demo's output.
+        diffusers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
         build_tiny_pipeline(variant).save_pretrained(tmp)
         try:
             os.rename(tmp, directory)  # fails if directory exists and is non-empty

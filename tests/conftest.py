@@ -53,7 +53,8 @@ def start_replicas(n: int, redis_url: str, name: str, **env) -> Replicas:
 
 @pytest.fixture(scope="session")
 def replicas(redis_server, tiny_model):
-    """Two replicas (one CPU thread each) serving the tiny model from DB 0, shared by the session."""
-    group = start_replicas(2, redis_server.url, "replicas")
+    """Two replicas (one CPU thread each) serving the tiny model from DB 0, shared by the session, with a
+    resource budget (128x128, 17 frames, 30 steps) so that random valid requests stay cheap."""
+    group = start_replicas(2, redis_server.url, "replicas", REPLICADP_MAX_WORK=str(128 * 128 * 17 * 30))
     yield group
     group.stop()
