@@ -41,12 +41,9 @@ def pct(values, q):
     return float(np.percentile(np.asarray(values), q))
 
 
-def plain_loop(inputs, threads, out_dir):
-    """The pipeline with no serving layer: load once, then generate, encode, hash, write, per input."""
-    holder = PipelineHolder("tiny", model_cache=SETTINGS.model_cache, threads=threads)
-    holder.load()
+def plain_loop(holder, inputs, out_dir):
+    """The pipeline with no serving layer: generate, encode, hash, write, per input."""
     store = DirStore(out_dir)
-    holder.generate(validate_request(inputs[0], size_multiple=holder.size_multiple))  # warm-up
     latencies, hashes = [], []
     start = time.perf_counter()
     for i, kwargs in enumerate(inputs):
@@ -54,7 +51,7 @@ def plain_loop(inputs, threads, out_dir):
         frames = holder.generate(validate_request(kwargs, size_multiple=holder.size_multiple))
         video = encode_mp4(frames, 24)
         hashes.append(frames_sha256(frames))
-        store.put(f"plain-{i}", video, {"video_sha256": hashlib.sha256(video).hexdigest()})
+        store.put(f"plain-{out_dir.name}-{i}", video, {"video_sha256": hashlib.sha256(video).hexdigest()})
         latencies.append(time.perf_counter() - t0)
     return time.perf_counter() - start, latencies, hashes
 
@@ -72,34 +69,44 @@ def through_replicadp(inputs, concurrency):
 @click.option("--num-frames", default=17, show_default=True)
 @click.option("--steps", default=8, show_default=True)
 @click.option("--threads", default=1, show_default=True)
+@click.option("--rounds", default=3, show_default=True, help="Plain and replicadp runs alternate, to cancel drift.")
 @click.option("--out", default="bench-results/overhead.json", show_default=True, type=click.Path(path_type=Path))
-def main(requests, size, num_frames, steps, threads, out):
+def main(requests, size, num_frames, steps, threads, rounds, out):
     width, height = map(int, size.split("x"))
     cfg = BenchConfig(width=width, height=height, num_frames=num_frames, steps=steps)
     inputs = make_inputs(cfg, requests)
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
     run_dir = Path(tempfile.mkdtemp(prefix="replicadp-overhead-"))
     try:
-        console.print(f"plain loop: {requests} requests, {threads} thread(s) ...")
-        plain_s, plain_lat, plain_hashes = plain_loop(inputs, threads, run_dir / "plain")
+        holder = PipelineHolder("tiny", model_cache=SETTINGS.model_cache, threads=threads)
+        holder.load()
+        holder.generate(validate_request(inputs[0], size_multiple=holder.size_multiple))  # warm-up
         server = EmbeddedServer(run_dir / "redis")
         use_redis(server.start())
+        plain_s, rdp_s, plain_lat, rdp_lat = [], [], [], []
         try:
-            console.print("replicadp: 1 replica ...")
             env = {"OUTPUT_DIR": str(run_dir / "outputs"), "HF_HUB_OFFLINE": "1"}
             with Replicas(1, redis_url=server.url, model="tiny", threads=threads, env=env,
                           log_path=run_dir / "replicas.log"):
                 through_replicadp(make_inputs(cfg, 2, 1_000_000), 1)  # warm-up
-                # Throughput: two in flight, so the next request waits in the queue, as in any busy deployment.
-                rdp_s, _, rdp_hashes = through_replicadp(inputs, 2)
-                # Latency: one at a time, so each request pays the full round trip.
-                _, rdp_lat, _ = through_replicadp(inputs, 1)
+                for r in range(rounds):
+                    console.print(f"round {r + 1}/{rounds}: plain loop, then replicadp (1 replica) ...")
+                    seconds, latencies, plain_hashes = plain_loop(holder, inputs, run_dir / f"plain{r}")
+                    plain_s.append(seconds)
+                    plain_lat += latencies
+                    # Throughput: two in flight, so the next request waits in the queue, as in any busy deployment.
+                    seconds, _, rdp_hashes = through_replicadp(inputs, 2)
+                    rdp_s.append(seconds)
+                    # Latency: one at a time, so each request pays the full round trip.
+                    rdp_lat += through_replicadp(inputs, 1)[1]
         finally:
             server.stop()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+    plain_s, rdp_s = float(np.median(plain_s)), float(np.median(rdp_s))
     report = {
-        "workload": {"size": size, "num_frames": num_frames, "steps": steps, "requests": requests, "threads": threads},
+        "workload": {"size": size, "num_frames": num_frames, "steps": steps, "requests": requests, "threads": threads,
+                     "rounds": rounds},
         "plain_videos_per_min": 60 * requests / plain_s, "replicadp_videos_per_min": 60 * requests / rdp_s,
         "throughput_ratio": plain_s / rdp_s,
         "plain_latency_s": {"p50": pct(plain_lat, 50), "p99": pct(plain_lat, 99)},
@@ -108,8 +115,8 @@ def main(requests, size, num_frames, steps, threads, out):
                              "p99": 1000 * (pct(rdp_lat, 99) - pct(plain_lat, 99))},
         "same_frames": plain_hashes == rdp_hashes,
     }
-    t = Table(title=f"overhead: tiny model {size}x{num_frames} frames, {steps} steps, {requests} requests, "
-                    f"{threads} thread(s)")
+    t = Table(title=f"overhead: tiny model {size}, {num_frames} frames, {steps} steps, {requests} requests x "
+                    f"{rounds} rounds (median), {threads} thread(s)")
     for col in ("", "videos/min", "latency p50", "latency p99"):
         t.add_column(col, justify="right")
     t.add_row("plain loop", f"{report['plain_videos_per_min']:.1f}", f"{report['plain_latency_s']['p50']:.3f} s",

@@ -8,7 +8,8 @@ export HF_HUB_OFFLINE=1
 unset REDIS_URL
 mkdir -p bench-results
 # 1. Overhead: tiny real model, plain loop against one replica, 1 thread each.
-$PY bench/overhead.py --requests 40 --size 128x128 --num-frames 17 --steps 8 --out bench-results/overhead.json
+$PY bench/overhead.py --requests 30 --rounds 3 --size 128x128 --num-frames 17 --steps 8 --out bench-results/overhead.json
+$PY bench/overhead.py --requests 12 --rounds 3 --size 256x256 --num-frames 17 --steps 8 --out bench-results/overhead-256.json
 # 2. Scaling: synthetic replicas, 2 s requests (synthetic:48.75 at 128x128, 33 frames, 30 steps = 2.0 s).
 $RDP sweep --replicas 1,2,4,8 --model synthetic:48.75 --size 128x128 --num-frames 33 --steps 30 \
   --num-requests 48 --out bench-results/scaling

@@ -21,7 +21,7 @@ from replicadp_tasks import app, generate
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.store import fetch_video as _fetch
 
-POLL_S = 0.01  # one MGET for every request in flight; 10 ms is below any request's cost
+SWEEP_S = 1.0  # how often every result in flight is read in full, besides the pub/sub notifications
 
 
 class ClientError(Exception):
@@ -125,55 +125,91 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
                  on_update: Callable[[list[InFlight], Outcome | None], None] | None = None) -> Iterator[Outcome]:
     """Submit `requests` keeping at most `concurrency` in flight (0: all at once), and yield each Outcome as
     its request completes. A request that fails or passes `timeout` seconds yields ok=False; the others go on.
-    `on_update(in_flight, finished)` is called after each poll that changed something."""
+    `on_update(in_flight, finished)` is called whenever a request in flight changes state or step.
+
+    Waits on the result backend's pub/sub channels instead of polling: a polling client costs the replicas
+    compute on a small host (measured: inference 10% slower on 2 cores with a 10 ms poll) and adds up to a
+    poll interval to every latency. A full read of every result in flight each SWEEP_S catches what pub/sub
+    missed (a result stored before we subscribed, a reconnect) and enforces the timeout."""
     check_redis()
     pending = list(enumerate(requests))
     pending.reverse()
     limit = concurrency if concurrency > 0 else len(pending)
     backend = app.backend
     flying: dict[str, InFlight] = {}
+    keys: dict[bytes, str] = {}  # result key (also its pub/sub channel) -> task id
+    pubsub = backend.client.pubsub(ignore_subscribe_messages=True)
+
+    def settle(task_id: str, meta: dict | None, now: float) -> Outcome | None:
+        """Record what a result says; the Outcome if the request has ended."""
+        entry = flying[task_id]
+        out = entry.outcome
+        status = meta["status"] if meta else "PENDING"
+        info = meta.get("result") if meta else None
+        if status == "SUCCESS":
+            out.ok, out.result = True, info
+        elif status == "FAILURE":
+            out.error = error_message(info)
+        elif now - out.submitted_at > timeout:
+            where = "still queued: is any replica live?" if status == "PENDING" else status
+            out.error = f"timed out after {timeout:.0f} s ({where})"
+        else:
+            if isinstance(info, dict) and (status, info.get("step", 0)) != (entry.state, entry.step):
+                entry.step = info.get("step", entry.step)
+                entry.total_steps = info.get("total_steps", entry.total_steps)
+                entry.replica = info.get("replica") or info.get("hostname") or entry.replica
+                if on_update:
+                    on_update(list(flying.values()), None)
+            entry.state = status
+            return None
+        out.finished_at = now
+        del flying[task_id]
+        pubsub.unsubscribe(backend.get_key_for_task(task_id))
+        if on_update:
+            on_update(list(flying.values()), out)
+        return out
+
+    def sweep(task_ids) -> Iterator[Outcome]:
+        task_ids = list(task_ids)
+        raws = backend.client.mget([backend.get_key_for_task(t) for t in task_ids]) if task_ids else []
+        now = time.time()
+        for task_id, raw in zip(task_ids, raws):
+            done = settle(task_id, backend.decode_result(raw) if raw else None, now)
+            if done:
+                yield done
+
+    last_sweep = time.monotonic()
     while pending or flying:
+        sent = []
         while pending and len(flying) < limit:
             index, request = pending.pop()
             now = time.time()
             task_id = _send(request)
             flying[task_id] = InFlight(Outcome(index, request, task_id, now))
-        ids = list(flying)
-        raws = backend.client.mget([backend.get_key_for_task(t) for t in ids])
-        now = time.time()
-        changed = False
-        for task_id, raw in zip(ids, raws):
-            entry = flying[task_id]
-            out = entry.outcome
-            if raw is None:
-                if now - out.submitted_at > timeout:
-                    out.error = f"timed out after {timeout:.0f} s (still queued: is any replica live?)"
-                else:
-                    continue
-            else:
-                meta = backend.decode_result(raw)
-                status, info = meta["status"], meta.get("result")
-                if status == "SUCCESS":
-                    out.ok, out.result = True, info
-                elif status == "FAILURE":
-                    out.error = error_message(info)
-                elif now - out.submitted_at > timeout:
-                    out.error = f"timed out after {timeout:.0f} s ({status})"
-                else:
-                    if status != entry.state or (isinstance(info, dict) and info.get("step", 0) != entry.step):
-                        entry.state = status
-                        if isinstance(info, dict):
-                            entry.step = info.get("step", entry.step)
-                            entry.total_steps = info.get("total_steps", entry.total_steps)
-                            entry.replica = info.get("replica") or info.get("hostname") or entry.replica
-                        changed = True
-                    continue
-            out.finished_at = now
-            del flying[task_id]
-            if on_update:
-                on_update(list(flying.values()), out)
-            yield out
-        if changed and on_update:
-            on_update(list(flying.values()), None)
-        if flying and not (pending and len(flying) < limit):
-            time.sleep(POLL_S)
+            key = backend.get_key_for_task(task_id)
+            keys[key] = task_id
+            sent.append(key)
+        if sent:
+            pubsub.subscribe(*sent)
+            yield from sweep(keys[k] for k in sent)  # results stored before the subscription took effect
+        if time.monotonic() - last_sweep > SWEEP_S:
+            last_sweep = time.monotonic()
+            yield from sweep(flying)
+        if not flying:
+            continue
+        try:
+            message = pubsub.get_message(timeout=SWEEP_S)
+        except redis.exceptions.ConnectionError:  # Redis restarting: reconnect, resubscribe, catch up
+            time.sleep(0.5)
+            pubsub = backend.client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(*[backend.get_key_for_task(t) for t in flying])
+            last_sweep = 0.0
+            continue
+        while message is not None:
+            task_id = keys.get(message["channel"])
+            if task_id in flying:
+                done = settle(task_id, backend.decode_result(message["data"]), time.time())
+                if done:
+                    yield done
+            message = pubsub.get_message(timeout=0)
+    pubsub.close()
