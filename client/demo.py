@@ -7,18 +7,14 @@ inputs and must reproduce every output bit for bit, faster.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 from replicadp_tasks.settings import SETTINGS
 
-from .api import use_redis
 from .bench import BenchConfig
-from .embedded import EmbeddedServer
-from .replicas import Replicas
+from .replicas import Replicas, scratch_run
 
 
 @dataclass
@@ -36,15 +32,7 @@ class DemoConfig:
 def run_demo(cfg: DemoConfig, run_bench, log) -> tuple[list[dict], dict]:
     """Returns (one report per phase, the isolation result). `run_bench` is the CLI's bench body."""
     with ExitStack() as stack:
-        run_dir = Path(tempfile.mkdtemp(prefix="replicadp-demo-"))
-        stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
-        url = os.environ.get("REDIS_URL")
-        if not url:
-            server = EmbeddedServer(run_dir / "redis")
-            url = server.start()
-            stack.callback(server.stop)
-            log(f"embedded Valkey on 127.0.0.1:{server.port} (password-protected, append-only, in {run_dir})")
-        use_redis(url)
+        run_dir, url = scratch_run(stack, "replicadp-demo-", log)
         if cfg.model.startswith("tiny"):
             from replicadp_tasks.pipeline import resolve_model
 

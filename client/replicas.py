@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from replicadp_tasks.settings import STATE_DIR, STATE_FILE
 
-from .api import live_replicas
+from .api import live_replicas, use_redis
 from .embedded import EmbeddedServer, die_with_parent, stop_pid
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "worker_launch.sh"
@@ -83,6 +86,22 @@ class Replicas:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def scratch_run(stack: ExitStack, prefix: str, log=lambda message: None) -> tuple[Path, str]:
+    """A temporary run folder and a Redis URL for a self-contained run (the demo, a sweep): REDIS_URL if set,
+    else an embedded server in the folder. Both are cleaned up when `stack` closes; this process's app is
+    pointed at the URL."""
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
+    url = os.environ.get("REDIS_URL")
+    if not url:
+        server = EmbeddedServer(run_dir / "redis")
+        url = server.start()
+        stack.callback(server.stop)
+        log(f"embedded Valkey on 127.0.0.1:{server.port} (password-protected, append-only, in {run_dir})")
+    use_redis(url)
+    return run_dir, url
 
 
 def stop_group(pgid: int, timeout: float, leader: subprocess.Popen | None = None) -> None:

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
-from .api import use_redis
 from .bench import BenchConfig
-from .embedded import EmbeddedServer
-from .replicas import Replicas
+from .replicas import Replicas, scratch_run
 
 
 def even_request_count(requested: int, counts: list[int]) -> int:
@@ -29,14 +24,7 @@ def run_sweep(counts: list[int], cfg: BenchConfig, *, model: str, threads: int |
     """One bench per N with a fresh set of replicas; concurrency 0 means 2 x N (the queue is never empty)."""
     reports = []
     with ExitStack() as stack:
-        run_dir = Path(tempfile.mkdtemp(prefix="replicadp-sweep-"))
-        stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
-        url = os.environ.get("REDIS_URL")
-        if not url:
-            server = EmbeddedServer(run_dir / "redis")
-            url = server.start()
-            stack.callback(server.stop)
-        use_redis(url)
+        run_dir, url = scratch_run(stack, "replicadp-sweep-")
         for n in counts:
             gpu_ids = devices.split(",")
             n_devices = "cpu" if devices == "cpu" else ",".join(gpu_ids[:n])
