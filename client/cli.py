@@ -308,7 +308,7 @@ def down():
 
 
 @main.command()
-@click.option("--num-requests", default=12, show_default=True)
+@click.option("--num-requests", default=24, show_default=True)
 @click.option("--concurrency", default=4, show_default=True, help="In flight during the 2-replica run.")
 @click.option("--size", default="128x128", show_default=True, callback=parse_size)
 @click.option("--num-frames", default=17, show_default=True)

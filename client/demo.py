@@ -19,7 +19,7 @@ from .replicas import Replicas, scratch_run
 
 @dataclass
 class DemoConfig:
-    num_requests: int = 12
+    num_requests: int = 24
     concurrency: int = 4
     width: int = 128
     height: int = 128

@@ -26,7 +26,8 @@ def generate(self, prompt=None, **kwargs):
     image, image_sha256 = None, None
     if req.image is not None:
         if not pipeline.accepts_image:
-            raise InvalidRequest(f"image: model {SETTINGS.model!r} is text-to-video only and takes no first frame")
+            raise InvalidRequest(f"image={req.image[:40]!r}: model {SETTINGS.model!r} is text-to-video only and "
+                                 "takes no first frame")
         image, image_sha256 = load_first_frame(
             req.image, req.width, req.height, max_bytes=SETTINGS.max_image_bytes,
             timeout_s=SETTINGS.image_timeout_s, image_dir=SETTINGS.image_dir)
