@@ -26,6 +26,14 @@ class ImageInputError(InvalidRequest):
     """
 
 
+class PoisonRequest(ReplicaDPError):
+    """Raised when a request has already started REPLICADP_MAX_ATTEMPTS times: each earlier attempt ended
+    its replica's process (an OOM kill, a CUDA crash), so running it again would only kill another one.
+
+    Fails the request, which is recorded as dead (`replicadp:dead`); the replicas keep serving.
+    """
+
+
 class ModelLoadError(ReplicaDPError):
     """Raised when a replica cannot load its model (bad spec, missing folder, no weights).
 

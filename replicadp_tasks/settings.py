@@ -61,6 +61,7 @@ class Settings:
     load_timeout_s: int
     max_prompt_chars: int
     max_work: int
+    max_attempts: int
     max_image_bytes: int
     image_timeout_s: int
     image_dir: Path | None
@@ -98,6 +99,9 @@ class Settings:
             # Budget per request, height x width x frames x steps: 1280x720, 121 frames, 50 steps (Wan2.2's
             # largest preset); larger requests are refused before they reach the GPU.
             max_work=_int("REPLICADP_MAX_WORK", 1280 * 720 * 121 * 50),
+            # A request whose process dies (OOM kill, CUDA crash) is requeued; past this many starts it is
+            # declared poison and failed, instead of killing replicas forever.
+            max_attempts=_int("REPLICADP_MAX_ATTEMPTS", 3),
             # A first frame is at most a few MB; larger inputs are refused before decoding.
             max_image_bytes=_int("REPLICADP_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
             # A slow image server must not hold a GPU.

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 from . import worker
 from .app import app
-from .errors import InvalidRequest, RequestIdConflict
+from .errors import InvalidRequest, PoisonRequest, RequestIdConflict
 from .images import load_first_frame
 from .pipeline import describe_device
 from .settings import SETTINGS
@@ -19,6 +20,11 @@ from .video import encode_mp4, frames_sha256
 def generate(self, prompt=None, **kwargs):
     """Generate one video; returns JSON metadata (never the bytes: those go to the output store)."""
     started = time.time()
+    attempt = worker.start_attempt(self.request.id)
+    if attempt > SETTINGS.max_attempts:
+        worker.record_dead(self.request.id, {"prompt": prompt, **kwargs}, attempt - 1)
+        raise PoisonRequest(f"request {self.request.id} ended its replica's process {attempt - 1} times; not "
+                            f"retried again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
     pipeline, store = worker.holder(), worker.store()
     req = validate_request({"prompt": prompt, **kwargs}, size_multiple=pipeline.size_multiple,
                            max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
@@ -45,7 +51,7 @@ def generate(self, prompt=None, **kwargs):
 
     def progress(step, total):
         self.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
-                                                   "request_id": request_id})
+                                                   "request_id": request_id, "pid": os.getpid()})
 
     inference_started = time.time()
     frames = pipeline.generate(req, image, on_step=progress)

@@ -26,6 +26,8 @@ log = logging.getLogger("replicadp")
 
 REPLICA_KEY = "replicadp:replica:"  # + node name: what each replica serves (for `replicadp status`)
 COMPLETED_KEY = "replicadp:completed"  # request_id -> completion time, the last hour (recent throughput)
+ATTEMPTS_KEY = "replicadp:attempts:"  # + task id: how many times a delivery of it has started
+DEAD_KEY = "replicadp:dead"  # JSON records of requests failed as poison, newest first
 _state: dict = {"name": None, "holder": None, "store": None, "redis": None}
 
 
@@ -37,6 +39,20 @@ def holder() -> PipelineHolder:
 
 def store():
     return _state["store"]
+
+
+def start_attempt(task_id: str) -> int:
+    """Count one more start of this task (redeliveries keep the task id); returns the count."""
+    key = ATTEMPTS_KEY + task_id
+    pipe = _state["redis"].pipeline()
+    pipe.incr(key)
+    pipe.expire(key, SETTINGS.result_ttl_s)
+    return pipe.execute()[0]
+
+
+def record_dead(task_id: str, kwargs: dict, attempts: int) -> None:
+    record = {"task_id": task_id, "kwargs": kwargs, "attempts": attempts, "at": time.time()}
+    _state["redis"].lpush(DEAD_KEY, json.dumps(record, default=repr))
 
 
 def record_completion(request_id: str) -> None:
