@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start one replica per GPU (or per group of GPUS_PER_REPLICA GPUs), each a Celery worker holding one
-# resident pipeline. Ctrl-C or SIGTERM stops them all. Extra arguments go to `celery worker`.
+# resident pipeline, each supervised: a replica that dies is restarted with the same name and devices, with
+# backoff. Ctrl-C or SIGTERM stops them all. Extra arguments go to `celery worker`.
 #
 #   NUM_REPLICAS=4 DEVICES=0,1,2,3 REPLICADP_MODEL=Wan-AI/Wan2.2-TI2V-5B-Diffusers ./worker_launch.sh
 #   NUM_REPLICAS=2 DEVICES=cpu THREADS_PER_REPLICA=1 REPLICADP_MODEL=tiny ./worker_launch.sh
@@ -44,6 +45,34 @@ else
   [[ -z $dupes ]] || die "DEVICES=$DEVICES lists GPU $dupes more than once"
 fi
 
+# Supervise one replica: run it, and when it exits on its own (a crash, an OOM kill of the main process),
+# start it again with the same name and devices after a backoff that doubles while it keeps dying young.
+# A crash loop is reported on stderr each time, never hidden.
+supervise() {
+  local name=$1; shift
+  local child="" stopping="" backoff=1 crashes=0 started rc
+  trap 'stopping=1; [[ -n $child ]] && kill -TERM "$child" 2>/dev/null' TERM INT
+  while [[ -z $stopping ]]; do
+    started=$SECONDS
+    "$@" &
+    child=$!
+    # `wait` returns early when a trapped signal arrives: keep waiting until the replica has exited.
+    while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done
+    rc=0
+    wait "$child" || rc=$?
+    [[ -n $stopping ]] && break
+    if (( SECONDS - started < 60 )); then
+      crashes=$(( crashes + 1 ))
+    else
+      crashes=1 backoff=1
+    fi
+    (( crashes > 1 )) && echo "worker_launch.sh: $name is crash-looping ($crashes exits within a minute of start)" >&2
+    echo "worker_launch.sh: $name exited with status $rc after $(( SECONDS - started )) s; restarting in $backoff s" >&2
+    sleep "$backoff" & wait $! || true
+    backoff=$(( backoff < 32 ? backoff * 2 : 60 ))
+  done
+}
+
 pids=()
 stop() {
   trap - INT TERM
@@ -57,15 +86,15 @@ trap stop INT TERM
 for (( i = 0; i < NUM_REPLICAS; i++ )); do
   if [[ $DEVICES == cpu ]]; then
     # An empty CUDA_VISIBLE_DEVICES hides every GPU: the replica runs on the CPU.
-    env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$THREADS_PER_REPLICA" REPLICADP_THREADS="$THREADS_PER_REPLICA" \
-      "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
+    supervise "replica$i" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$THREADS_PER_REPLICA" \
+      REPLICADP_THREADS="$THREADS_PER_REPLICA" "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
   else
     mine=$(IFS=,; echo "${ids[*]:$(( i * GPUS_PER_REPLICA )):$GPUS_PER_REPLICA}")
-    env CUDA_VISIBLE_DEVICES="$mine" "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
+    supervise "replica$i" env CUDA_VISIBLE_DEVICES="$mine" "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
   fi
   pids+=($!)
 done
-echo "worker_launch.sh: started ${#pids[@]} replica(s) on DEVICES=$DEVICES" >&2
+echo "worker_launch.sh: started ${#pids[@]} supervised replica(s) on DEVICES=$DEVICES" >&2
 
-# A replica that exits leaves the others serving; the launcher ends when all have.
+# The launcher ends when every supervisor has (on Ctrl-C or SIGTERM).
 wait "${pids[@]}"

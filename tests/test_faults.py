@@ -64,3 +64,32 @@ def test_poison_request_is_failed_after_max_attempts(replicas):
     assert any(d["task_id"] == result.id and d["attempts"] == 3 and d["kwargs"]["prompt"] == "poison" for d in dead)
     serve_again(replicas)
 
+
+
+def test_launcher_restarts_a_dead_replica(redis_server, tmp_path):
+    """worker_launch.sh supervises: a replica whose main process is SIGKILLed comes back with the same name,
+    loads its model again and serves; the restart is reported in the launcher's log."""
+    from client.api import live_replicas
+    from conftest import start_replicas
+    from replicadp_tasks.worker import REPLICA_KEY
+
+    url = redis_server.url[:-1] + "3"
+    group = start_replicas(1, url, "supervised", OUTPUT_DIR=str(tmp_path))
+    try:
+        client = redis.Redis.from_url(url)
+        name = group.names[0]
+        child = json.loads(client.get(REPLICA_KEY + name))["pid"]
+        main = int(open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[1])  # the child's parent
+        os.kill(main, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            info = json.loads(client.get(REPLICA_KEY + name))
+            if info["pid"] != child and name in live_replicas(url=url):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the replica did not come back")
+        log = group.log_path.read_text()
+        assert f"{name.split('@')[0]} exited with status" in log and "restarting in 1 s" in log
+    finally:
+        group.stop()
