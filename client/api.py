@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
@@ -55,7 +55,6 @@ class InFlight:
     step: int = 0
     total_steps: int = 0
     replica: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def redacted(url: str) -> str:

@@ -81,20 +81,6 @@ class EmbeddedServer:
             self.proc.wait()
             self.proc = None
 
-    def kill(self) -> None:
-        """SIGKILL, no shutdown save: what a crash does (the append-only file has what was fsynced)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 def stop_pid(pid: int, timeout: float = 10.0) -> None:
     """SIGTERM a process we started (by PID), then SIGKILL if it lingers."""
