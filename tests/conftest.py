@@ -3,10 +3,14 @@
 Everything a test session starts lives under one temp folder and is stopped at the end, also on failure.
 """
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 # Before anything imports replicadp_tasks.settings (read once): no hub, and state, model cache and
 # outputs in a folder of the session's own, never the user's `replicadp up` state.
@@ -49,6 +53,17 @@ def tiny_model():
 def start_replicas(n: int, redis_url: str, name: str, **env) -> Replicas:
     return Replicas(n, redis_url=redis_url, model="tiny", threads=1, env=env,
                     log_path=SESSION_DIR / "logs" / f"{name}.log").start(timeout=180)
+
+
+def run_client_on(url: str, requests: list[dict], concurrency: int) -> list[SimpleNamespace]:
+    """run_requests in a client process of its own on `url` (another DB): this process's Celery app stays on
+    the session's DB 0. Outcomes in input order."""
+    code = ("import json, sys; from client.api import run_requests; print(json.dumps([o.__dict__ for o in "
+            "run_requests(json.loads(sys.argv[1]), concurrency=int(sys.argv[2]), timeout=60)]))")
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(requests), str(concurrency)],
+                         env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return sorted((SimpleNamespace(**o) for o in json.loads(run.stdout)), key=lambda o: o.index)
 
 
 @pytest.fixture(scope="session")

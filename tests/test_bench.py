@@ -5,9 +5,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
-from conftest import start_replicas
+from conftest import run_client_on, start_replicas
 from replicadp_tasks.pipeline import REFERENCE_WORK
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
@@ -20,16 +19,10 @@ def test_synthetic_backend_is_scaled_deterministic_and_named(redis_server, tmp_p
     group = start_replicas(2, url, "synthetic", REPLICADP_MODEL="synthetic:40", OUTPUT_DIR=str(tmp_path))
     size = {"height": 128, "width": 128, "num_frames": 33, "num_inference_steps": 30}
     requests = [{"prompt": "p", "seed": 1, **size} for _ in range(4)] + [{"prompt": "p", "seed": 2, **size}]
-    # A client process of its own on DB 2: this process's Celery app stays on the session's DB 0.
-    code = ("import json, sys; from client.api import run_requests; "
-            "print(json.dumps([o.__dict__ for o in run_requests(json.loads(sys.argv[1]), concurrency=5, timeout=60)]))")
     try:
-        run = subprocess.run([sys.executable, "-c", code, json.dumps(requests)], env={**os.environ, "REDIS_URL": url},
-                             capture_output=True, text=True, timeout=120)
+        outcomes = run_client_on(url, requests, concurrency=5)
     finally:
         group.stop()
-    assert run.returncode == 0, run.stderr
-    outcomes = sorted((SimpleNamespace(**o) for o in json.loads(run.stdout)), key=lambda o: o.index)
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     expected = 40 * 128 * 128 * 33 * 30 / REFERENCE_WORK
     for o in outcomes:

@@ -98,24 +98,16 @@ def test_launcher_restarts_a_dead_replica(redis_server, tmp_path):
 def test_soft_time_limit_fails_the_request_and_the_replica_serves_on(redis_server, tmp_path):
     """Past REPLICADP_SOFT_TIME_LIMIT a request fails cleanly (FAILURE, SoftTimeLimitExceeded, not retried), and
     the same replica then serves the next request."""
-    import subprocess
-    import sys
-
-    from conftest import start_replicas
+    from conftest import run_client_on, start_replicas
 
     url = redis_server.url[:-1] + "4"
     group = start_replicas(1, url, "time-limits", OUTPUT_DIR=str(tmp_path), REPLICADP_SOFT_TIME_LIMIT="1",
                            REPLICADP_TIME_LIMIT="30")
     long = {"prompt": "too long", "height": 256, "width": 256, "num_frames": 33, "num_inference_steps": 30}
     short = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
-    code = ("import json, sys; from client.api import run_requests; "
-            "print(json.dumps([o.__dict__ for o in run_requests(json.loads(sys.argv[1]), concurrency=1, timeout=60)]))")
     try:
-        run = subprocess.run([sys.executable, "-c", code, json.dumps([long, short])],
-                             env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True, timeout=120)
+        first, second = run_client_on(url, [long, short], concurrency=1)
     finally:
         group.stop()
-    assert run.returncode == 0, run.stderr
-    first, second = sorted(json.loads(run.stdout), key=lambda o: o["index"])
-    assert not first["ok"] and first["error"].startswith("SoftTimeLimitExceeded"), first["error"] or first["result"]["timings"]
-    assert second["ok"] and second["result"]["replica"] == group.names[0]
+    assert not first.ok and first.error.startswith("SoftTimeLimitExceeded"), first.error or first.result["timings"]
+    assert second.ok and second.result["replica"] == group.names[0]
