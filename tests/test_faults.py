@@ -17,13 +17,14 @@ SLOW = {"height": 128, "width": 128, "num_frames": 17, "num_inference_steps": 30
 
 
 def running_pid(task_id: str, not_pids=(), timeout: float = 60.0) -> int:
-    """The pid of the pool child running `task_id` (from its STARTED or PROGRESS state), once it is not one
-    of `not_pids`."""
+    """The pid of the pool child running `task_id`, once it is not one of `not_pids`. Read from PROGRESS, not
+    STARTED: STARTED is stored before the task body counts the attempt, and a kill in between would be an
+    attempt the poison bound never counts, and the test would wait for a poison failure that comes a start later."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         meta = app.backend.get_task_meta(task_id)
         info = meta.get("result")
-        if meta["status"] in ("STARTED", "PROGRESS") and isinstance(info, dict) and info.get("pid") not in not_pids:
+        if meta["status"] == "PROGRESS" and isinstance(info, dict) and info.get("pid") not in not_pids:
             return info["pid"]
         time.sleep(0.01)
     raise TimeoutError(f"{task_id} did not start")
