@@ -31,6 +31,10 @@ task_track_started = True
 # Task events feed Flower; the sent event lets it show queued requests too.
 worker_send_task_events = True
 task_send_sent_event = True
+# Storing a result or a progress report waits out a Redis restart instead of failing a finished request.
+result_backend_always_retry = True
+result_backend_max_retries = 60
+result_backend_max_sleep_between_retries_ms = 1000
 # Results hold metadata only, so keeping them a day costs little.
 result_expires = _S.result_ttl_s
 

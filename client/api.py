@@ -115,6 +115,14 @@ def error_message(info) -> str:
     return str(info)
 
 
+def cancel_request(task_id: str) -> None:
+    """Cancel a request: a queued one fails as RequestCancelled when a replica takes it, a running one at its
+    next denoising step; the replica keeps its model either way. A request that has ended is left as it is."""
+    from replicadp_tasks.worker import CANCEL_KEY
+
+    app.backend.client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s)
+
+
 def _send(request: dict) -> str:
     # Keep only the id: an AsyncResult object would keep a pub/sub subscription whose messages nobody reads.
     return generate.apply_async(kwargs=request).id
@@ -170,7 +178,10 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
 
     def sweep(task_ids) -> Iterator[Outcome]:
         task_ids = list(task_ids)
-        raws = backend.client.mget([backend.get_key_for_task(t) for t in task_ids]) if task_ids else []
+        try:
+            raws = backend.client.mget([backend.get_key_for_task(t) for t in task_ids]) if task_ids else []
+        except redis.exceptions.ConnectionError:  # Redis restarting: the next sweep reads them
+            raws = [None] * len(task_ids)  # (but the timeout still applies)
         now = time.time()
         for task_id, raw in zip(task_ids, raws):
             done = settle(task_id, backend.decode_result(raw) if raw else None, now)
@@ -200,8 +211,12 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
             message = pubsub.get_message(timeout=SWEEP_S)
         except redis.exceptions.ConnectionError:  # Redis restarting: reconnect, resubscribe, catch up
             time.sleep(0.5)
-            pubsub = backend.client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(*[backend.get_key_for_task(t) for t in flying])
+            try:
+                fresh = backend.client.pubsub(ignore_subscribe_messages=True)
+                fresh.subscribe(*[backend.get_key_for_task(t) for t in flying])
+                pubsub = fresh
+            except redis.exceptions.ConnectionError:
+                pass  # still down: try again after the next sweep
             last_sweep = 0.0
             continue
         while message is not None:

@@ -34,6 +34,28 @@ class PoisonRequest(ReplicaDPError):
     """
 
 
+class RequestCancelled(ReplicaDPError):
+    """Raised when a request's caller cancelled it (`client.api.cancel_request`): checked before it starts
+    and at every denoising step.
+
+    Fails the request; the replica keeps its model and takes the next one.
+    """
+
+
+class PipelineError(ReplicaDPError):
+    """Raised when the pipeline itself fails on a valid request (a CUDA error, an exception in diffusers).
+
+    Fails the request; its memory is freed first and the replica keeps serving.
+    """
+
+
+class OutOfMemory(PipelineError):
+    """Raised when a request needs more device (or host) memory than the replica has left.
+
+    Fails the request; the replica frees what the request held and keeps serving smaller ones.
+    """
+
+
 class ModelLoadError(ReplicaDPError):
     """Raised when a replica cannot load its model (bad spec, missing folder, no weights).
 

@@ -6,6 +6,8 @@ that imports this module never initialises CUDA (a forked child could not use it
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -15,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, OutOfMemory
 from .validate import GenerateRequest
 from .video import to_uint8
 
@@ -150,14 +152,40 @@ class PipelineHolder:
 
                 self._i2v = WanImageToVideoPipeline.from_pipe(self.pipe)
             pipe, kwargs["image"] = self._i2v, image
-        with torch.inference_mode():
-            frames = pipe(**kwargs).frames[0]
-        # 3. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
+        oom = None
+        try:
+            with torch.inference_mode():
+                frames = pipe(**kwargs).frames[0]
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            oom = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        if oom is not None:
+            # 3. Out of memory fails this request only. Free its memory here, outside the except block: until
+            # then the traceback keeps every frame of the pipeline, and with them the request's tensors.
+            self.free_memory()
+            raise OutOfMemory(f"height={req.height} width={req.width} num_frames={req.num_frames}: out of memory on "
+                              f"{describe_device(self.device)} ({oom}); the replica serves on")
+        # 4. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
         frames = to_uint8(np.asarray(frames))
         expected = (req.num_frames, req.height, req.width, 3)
         if frames.shape != expected:
             raise RuntimeError(f"pipeline returned frames of shape {frames.shape}, expected {expected}")
         return frames
+
+    def free_memory(self) -> None:
+        """Give back what the last request left: Python garbage, then the CUDA caching allocator's blocks, or
+        on the CPU the heap that glibc keeps after large frees."""
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        else:
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):  # not glibc
+                pass
 
     def _synthetic(self, req: GenerateRequest, image, on_step) -> np.ndarray:
         """Benchmark-only: sleep the request's share of SECONDS step by step (so 8 replicas fit on 2 cores),
@@ -177,3 +205,12 @@ class PipelineHolder:
                           for i in range(req.num_frames * 3 // 32 + 1))
         colours = np.frombuffer(stream[:req.num_frames * 3], np.uint8).reshape(req.num_frames, 1, 1, 3)
         return np.ascontiguousarray(np.broadcast_to(colours, (req.num_frames, req.height, req.width, 3)))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's failure (a RuntimeError), or Python's MemoryError."""
+    import torch
+
+    text = str(exc).lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text or \
+        "can't allocate memory" in text

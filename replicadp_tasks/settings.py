@@ -62,6 +62,7 @@ class Settings:
     max_prompt_chars: int
     max_work: int
     max_attempts: int
+    lease_s: int
     max_image_bytes: int
     image_timeout_s: int
     image_dir: Path | None
@@ -89,6 +90,8 @@ class Settings:
             # Decoding 832x480 in tiles lowers the VAE's peak memory at some speed cost; off by default.
             vae_tiling=_bool("REPLICADP_VAE_TILING", False),
             # Past the soft limit the request fails cleanly with SoftTimeLimitExceeded; a 5B request is minutes.
+            # 0 disables it (the hard limit then acts alone). Keep it below the hard limit: Celery arms the hard
+            # timer only once the soft one has fired.
             soft_time_limit_s=_int("REPLICADP_SOFT_TIME_LIMIT", 1740),
             # Past the hard limit the pool child is killed and replaced (a hung CUDA kernel).
             time_limit_s=_int("REPLICADP_TIME_LIMIT", 1800),
@@ -102,6 +105,9 @@ class Settings:
             # A request whose process dies (OOM kill, CUDA crash) is requeued; past this many starts it is
             # declared poison and failed, instead of killing replicas forever.
             max_attempts=_int("REPLICADP_MAX_ATTEMPTS", 3),
+            # A replica whose heartbeat is this many seconds old is dead: its requests go back to the queue.
+            # Renewed every second by the replica's main process (not the busy child), so 5 ticks may be missed.
+            lease_s=_int("REPLICADP_LEASE", 6),
             # A first frame is at most a few MB; larger inputs are refused before decoding.
             max_image_bytes=_int("REPLICADP_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
             # A slow image server must not hold a GPU.

@@ -79,14 +79,24 @@ class RedisStore:
         return self.get_meta(request_id)
 
 
+def outage_tolerant(url: str):
+    """A Redis client that rides out a Redis restart (seen: ~6 s) by retrying for about 30 s, instead of
+    failing the request it is serving."""
+    import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30,
+                                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 40),
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+
 def open_store(kind: str, output_dir: Path, redis_url: str, ttl_s: int):
     """The store a replica writes to, by REPLICADP_STORE."""
     if kind == "dir":
         return DirStore(output_dir)
     if kind == "redis":
-        import redis
-
-        return RedisStore(redis.Redis.from_url(redis_url), ttl_s)
+        return RedisStore(outage_tolerant(redis_url), ttl_s)
     raise StoreError(f"REPLICADP_STORE={kind!r}: must be 'dir' or 'redis'")
 
 

@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 
-from . import worker
+from . import lease, worker
 from .app import app
-from .errors import InvalidRequest, PoisonRequest, RequestIdConflict
+from .errors import InvalidRequest, PoisonRequest, RequestCancelled, RequestIdConflict
 from .images import load_first_frame
 from .pipeline import describe_device
 from .settings import SETTINGS
 from .validate import input_key, validate_request
 from .video import encode_mp4, frames_sha256
 
+log = logging.getLogger("replicadp")
+FENCE_POLL_S = 0.5  # how often a delivery waiting on another's fence looks for its result
+
 
 @app.task(name="replicadp.generate", bind=True)
 def generate(self, prompt=None, **kwargs):
     """Generate one video; returns JSON metadata (never the bytes: those go to the output store)."""
     started = time.time()
+    if worker.cancelled(self.request.id):
+        raise RequestCancelled(f"request {self.request.id} was cancelled before it started")
     attempt = worker.start_attempt(self.request.id)
     if attempt > SETTINGS.max_attempts:
         worker.record_dead(self.request.id, {"prompt": prompt, **kwargs}, attempt - 1)
         raise PoisonRequest(f"request {self.request.id} ended its replica's process {attempt - 1} times; not "
                             f"retried again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
-    pipeline, store = worker.holder(), worker.store()
+    pipeline = worker.holder()
     req = validate_request({"prompt": prompt, **kwargs}, size_multiple=pipeline.size_multiple,
                            max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
     request_id = req.request_id or self.request.id
@@ -40,17 +46,55 @@ def generate(self, prompt=None, **kwargs):
     params = req.params(image_sha256)
     key = input_key(params, SETTINGS.model)
 
-    # At-least-once delivery, one result: a request that already has a result gets it back.
-    done = store.get_meta(request_id)
+    replica = self.request.hostname
+    # At-least-once delivery, one result: a request that already has a result gets it back, and only the
+    # delivery that holds the fence computes (another waits for its result; see lease.py).
+    fence, tok = lease.LOCK_KEY + request_id, lease.token(replica, os.getpid(), self.request.id)
+    done = take_fence(fence, tok, request_id)
     if done is not None:
         if done["input_key"] != key:
             raise RequestIdConflict(f"request_id={request_id!r}: already used for different inputs")
         return {**done, "redelivered": True}
+    try:
+        return compute(self, req, image, params, key, request_id, replica, fence, tok, started)
+    finally:
+        lease.release(worker.redis_client(), fence, tok)
 
-    replica = self.request.hostname
+
+def take_fence(fence: str, tok: str, request_id: str) -> dict | None:
+    """Hold the fence of `request_id`, or return its stored result if one exists or appears meanwhile."""
+    store, r = worker.store(), worker.redis_client()
+    waiting_on = None
+    while True:
+        owner = lease.acquire(r, fence, tok, SETTINGS.lease_s)
+        done = store.get_meta(request_id)  # after the fence: a result stored just before we took it counts
+        if owner in ("acquired", "held"):
+            if done is not None:
+                lease.release(r, fence, tok)
+            return done
+        if done is not None:
+            return done
+        if owner != waiting_on:
+            log.warning("request %s is being computed by %s; waiting for its result", request_id, owner)
+            waiting_on = owner
+        time.sleep(FENCE_POLL_S)
+
+
+def compute(task, req, image, params, key, request_id, replica, fence, tok, started) -> dict:
+    """Run the pipeline, encode, store; the result's metadata."""
+    pipeline, store, r = worker.holder(), worker.store(), worker.redis_client()
 
     def progress(step, total):
-        self.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
+        if worker.cancelled(task.request.id):
+            raise RequestCancelled(f"request {task.request.id} was cancelled at step {step} of {total}")
+        # Still ours? A Redis restart may have expired the fence (take it again); if another delivery holds
+        # it, this one was presumed dead: stop computing, and requeue rather than ack (the shared delivery
+        # tag would otherwise acknowledge the other's message).
+        owner = lease.acquire(r, fence, tok, SETTINGS.lease_s)
+        if owner not in ("acquired", "held"):
+            log.error("request %s: fence taken by %s; this delivery stops and its process exits", request_id, owner)
+            os._exit(75)
+        task.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
                                                    "request_id": request_id, "pid": os.getpid()})
 
     inference_started = time.time()
@@ -58,7 +102,7 @@ def generate(self, prompt=None, **kwargs):
     inferred = time.time()
     video = encode_mp4(frames, req.fps)
     encoded = time.time()
-    sent_at = self.request.get("replicadp_sent_at")
+    sent_at = task.request.get("replicadp_sent_at")
     meta = {
         "request_id": request_id,
         "replica": replica,
@@ -74,8 +118,11 @@ def generate(self, prompt=None, **kwargs):
             "encode_s": round(encoded - inferred, 4),
             "total_s": round(time.time() - started, 4),
         },
-        "redelivered": bool(self.request.delivery_info.get("redelivered")),
+        "execution": tok,
+        "redelivered": bool(task.request.delivery_info.get("redelivered")),
     }
     stored = store.put(request_id, video, meta)
+    if stored["execution"] != tok:  # another delivery computed it too: fenced wrongly, or an old result
+        r.hincrby(worker.STATS_KEY, "duplicate_executions", 1)
     worker.record_completion(request_id)
     return stored

@@ -1,5 +1,5 @@
-"""Process deaths with real replicas: a killed pool child's request is requeued and completes; a request that
-kills its process every time is failed as poison after REPLICADP_MAX_ATTEMPTS starts."""
+"""Faults with real processes: killed pool children and replicas, SIGTERM, time limits, out of memory, a Redis
+restart, and concurrent deliveries of one request. Nothing is lost, and nothing is computed twice."""
 
 import json
 import os
@@ -11,9 +11,27 @@ import redis
 
 from replicadp_tasks import app, generate
 from replicadp_tasks.errors import PoisonRequest
-from replicadp_tasks.worker import DEAD_KEY
+from replicadp_tasks.lease import LOCK_KEY
+from replicadp_tasks.worker import ATTEMPTS_KEY, DEAD_KEY, REPLICA_KEY, STATS_KEY
 
 SLOW = {"height": 128, "width": 128, "num_frames": 17, "num_inference_steps": 30}  # ~1-2 s on the tiny model
+# The same budget as SLOW, spent on more, smaller steps: a few seconds, with a PROGRESS report every step.
+LONG = {"height": 64, "width": 64, "num_frames": 17, "num_inference_steps": 120}
+
+
+def parent_of(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def wait_for_step(task_id: str, step: int, timeout: float = 60.0) -> dict:
+    """The PROGRESS info of `task_id` once it has reached `step`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        meta = app.backend.get_task_meta(task_id)
+        if meta["status"] == "PROGRESS" and meta["result"]["step"] >= step:
+            return meta["result"]
+        time.sleep(0.01)
+    raise TimeoutError(f"{task_id} did not reach step {step}")
 
 
 def running_pid(task_id: str, not_pids=(), timeout: float = 60.0) -> int:
@@ -67,6 +85,58 @@ def test_poison_request_is_failed_after_max_attempts(replicas):
 
 
 
+def test_killed_replica_request_completes_on_another(replicas):
+    """SIGKILL of a replica's main process mid-request (its pool child dies with it): the replica's heartbeat
+    expires, another replica's sweep requeues the request within the lease (6 s), and that replica completes it
+    within 15 s of the kill; Redis's visibility timeout (35 min here) plays no part. The request was started
+    twice and computed once."""
+    result = generate.delay(prompt="survive a replica kill", seed=21, **LONG)
+    info = wait_for_step(result.id, 3)
+    os.kill(parent_of(info["pid"]), signal.SIGKILL)
+    killed = time.monotonic()
+    meta = result.get(timeout=60)
+    recovered = time.monotonic() - killed
+    print(f"\nreplica {info['replica']} killed at step {info['step']}; completed on {meta['replica']} "
+          f"{recovered:.1f} s after the kill")
+    assert meta["replica"] != info["replica"] and meta["params"]["seed"] == 21
+    assert recovered < 15
+    client = redis.Redis.from_url(app.conf.broker_url)
+    assert int(client.get(ATTEMPTS_KEY + result.id)) == 2
+    serve_again(replicas)  # the launcher restarted the killed one
+
+
+def test_sigterm_mid_request_finishes_it_first(replicas):
+    """SIGTERM to a replica mid-request (a deploy): the replica finishes the request, then exits; the request
+    succeeds on that replica, once, and is never marked failed. The launcher starts the replica again."""
+    result = generate.delay(prompt="finish before exit", seed=22, **LONG)
+    info = wait_for_step(result.id, 3)
+    main = parent_of(info["pid"])
+    os.kill(main, signal.SIGTERM)
+    meta = result.get(timeout=60)
+    assert meta["replica"] == info["replica"] and not meta["redelivered"]
+    assert int(redis.Redis.from_url(app.conf.broker_url).get(ATTEMPTS_KEY + result.id)) == 1
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{main}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{main}"), "the replica did not exit after its request"
+    serve_again(replicas)
+
+
+def test_concurrent_deliveries_of_one_request_compute_once(replicas):
+    """Two deliveries of one request_id at once (two replicas): the fence lets one compute while the other waits
+    and returns the stored result; both report the same execution and video, and no second computation is
+    counted."""
+    client = redis.Redis.from_url(app.conf.broker_url)
+    before = int(client.hget(STATS_KEY, "duplicate_executions") or 0)
+    args = dict(prompt="one request, two deliveries", seed=23, request_id="fenced-once", **SLOW)
+    first, second = generate.delay(**args), generate.delay(**args)
+    a, b = first.get(timeout=120), second.get(timeout=120)
+    assert a["execution"] == b["execution"] and a["video_uri"] == b["video_uri"]
+    assert sorted([a["redelivered"], b["redelivered"]]) == [False, True]
+    assert int(client.hget(STATS_KEY, "duplicate_executions") or 0) == before
+    assert client.get(LOCK_KEY + "fenced-once") is None  # released
+
+
 def test_launcher_restarts_a_dead_replica(redis_server, tmp_path):
     """worker_launch.sh supervises: a replica whose main process is SIGKILLed comes back with the same name,
     loads its model again and serves; the restart is reported in the launcher's log."""
@@ -112,3 +182,122 @@ def test_soft_time_limit_fails_the_request_and_the_replica_serves_on(redis_serve
         group.stop()
     assert not first.ok and first.error.startswith("SoftTimeLimitExceeded"), first.error or first.result["timings"]
     assert second.ok and second.result["replica"] == group.names[0]
+
+
+def test_hard_time_limit_replaces_the_process(redis_server, tmp_path):
+    """Past REPLICADP_TIME_LIMIT the pool child is killed: the request fails with TimeLimitExceeded (not
+    requeued: it would only time out again), a new child loads the model, and the replica serves on."""
+    from conftest import run_client_on, start_replicas
+
+    url = redis_server.url[:-1] + "4"
+    group = start_replicas(1, url, "hard-limit", OUTPUT_DIR=str(tmp_path), REPLICADP_SOFT_TIME_LIMIT="0",
+                           REPLICADP_TIME_LIMIT="2")
+    long = {"prompt": "hangs", "height": 256, "width": 256, "num_frames": 33, "num_inference_steps": 30}
+    short = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
+    try:
+        child = json.loads(redis.Redis.from_url(url).get(REPLICA_KEY + group.names[0]))["pid"]
+        first, second = run_client_on(url, [long, short], concurrency=1)
+    finally:
+        group.stop()
+    assert not first.ok and first.error.startswith("TimeLimitExceeded"), first.error or first.result["timings"]
+    assert second.ok and second.result["replica"] == group.names[0]
+    assert second.result["execution"].split(":")[1] != str(child)  # computed by the replacement child
+
+
+def test_out_of_memory_fails_the_request_and_the_replica_serves_on(redis_server, tmp_path):
+    """A request that needs more memory than the replica has (here: the pool child's address space is capped,
+    the CPU stand-in for a CUDA OOM) fails with OutOfMemory naming its size; the memory is given back and the
+    same process serves the next request."""
+    import resource
+
+    from conftest import run_client_on, start_replicas
+
+    url = redis_server.url[:-1] + "5"
+    group = start_replicas(1, url, "oom", OUTPUT_DIR=str(tmp_path), REPLICADP_MAX_WORK=str(10**12))
+    try:
+        child = json.loads(redis.Redis.from_url(url).get(REPLICA_KEY + group.names[0]))["pid"]
+        size = vm_kib(child, "VmSize")
+        cap = (size + 1024 * 1024) * 1024  # 1 GiB more address space than it has now
+        resource.prlimit(child, resource.RLIMIT_AS, (cap, cap))
+        rss = vm_kib(child, "VmRSS")
+        huge = {"prompt": "too big", "height": 1024, "width": 1024, "num_frames": 81, "num_inference_steps": 2}
+        small = {"prompt": "fits", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
+        first, second = run_client_on(url, [huge, small], concurrency=1)
+        rss_after = vm_kib(child, "VmRSS")
+    finally:
+        group.stop()
+    assert not first.ok and first.error.startswith("OutOfMemory: height=1024 width=1024 num_frames=81"), \
+        first.error or first.result["timings"]
+    assert second.ok and second.result["execution"].split(":")[1] == str(child)  # the same process
+    print(f"\nRSS {rss // 1024} MiB before the request, {rss_after // 1024} MiB after it failed and another ran")
+    assert rss_after < rss + 300 * 1024
+
+
+def vm_kib(pid: int, field: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def test_long_request_outlives_many_leases_and_runs_once(redis_server, tmp_path):
+    """A request that runs for several leases (REPLICADP_LEASE=2 here, the request ~10 s) beside an idle replica
+    whose sweep runs every second: the running replica's heartbeat keeps it, so it is started once and computed
+    once, never on two replicas at once."""
+    from conftest import run_client_on, start_replicas
+
+    url = redis_server.url[:-1] + "6"
+    group = start_replicas(2, url, "short-lease", OUTPUT_DIR=str(tmp_path), REPLICADP_LEASE="2")
+    long = {"prompt": "outlive the lease", "height": 256, "width": 256, "num_frames": 33, "num_inference_steps": 150}
+    try:
+        (outcome,) = run_client_on(url, [long], concurrency=1)
+        client = redis.Redis.from_url(url)
+        starts = int(client.get(ATTEMPTS_KEY + outcome.task_id))
+        duplicates = client.hget(STATS_KEY, "duplicate_executions")
+    finally:
+        group.stop()
+    assert outcome.ok, outcome.error
+    print(f"\nran {outcome.result['timings']['total_s']:.1f} s under a 2 s lease")
+    assert outcome.result["timings"]["total_s"] > 3 * 2
+    assert starts == 1 and duplicates is None and not outcome.result["redelivered"]
+    assert "requeueing" not in group.log_path.read_text()
+
+
+def test_redis_killed_and_restarted_loses_nothing(tmp_path):
+    """SIGKILL of the Redis server (append-only file on) while requests are queued and running, restarted on
+    the same port 2 s later: the replicas and the client reconnect by themselves and every request completes."""
+    import threading
+
+    from client.embedded import EmbeddedServer
+    from conftest import run_client_on, start_replicas
+
+    server = EmbeddedServer(tmp_path / "redis")
+    url = server.start()
+    group = start_replicas(2, url, "redis-restart", OUTPUT_DIR=str(tmp_path / "out"))
+    requests = [{"prompt": f"through a restart {i}", "seed": i, **SLOW} for i in range(6)]
+    outcomes = []
+    try:
+        client_run = threading.Thread(target=lambda: outcomes.extend(run_client_on(url, requests, concurrency=0)))
+        client_run.start()
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 60
+        while not any(json.loads(client.get(k) or "{}").get("status") == "PROGRESS"
+                      for k in client.keys("celery-task-meta-*")):
+            assert time.monotonic() < deadline, "no request started"
+            time.sleep(0.05)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        time.sleep(2)
+        server = EmbeddedServer(tmp_path / "redis", port=server.port, password=server.password)
+        server.start()
+        client_run.join(timeout=180)
+        assert not client_run.is_alive(), "the client did not finish"
+        starts = [int(client.get(ATTEMPTS_KEY + o.task_id) or 0) for o in outcomes]
+        duplicates = int(client.hget(STATS_KEY, "duplicate_executions") or 0)
+    finally:
+        group.stop()
+        server.stop()
+    assert [o.ok for o in outcomes] == [True] * 6, [o.error for o in outcomes]
+    assert sorted(o.result["params"]["seed"] for o in outcomes) == list(range(6))
+    print(f"\nstarts per request: {starts}; computed twice: {duplicates}")
+    assert duplicates == 0

@@ -1,0 +1,186 @@
+"""Chaos benchmark: a batch against real replicas while pool children, whole replicas and Redis are killed at
+random moments. Prints requests submitted / completed / failed / lost / computed more than once, and the
+recovery time of each kind of fault (median and max); writes JSON.
+
+    .venv/bin/python bench/chaos.py --replicas 3 --requests 60 --out bench-results/chaos.json
+
+Recovery time of a fault: from the kill until the request it interrupted has completed (a child or replica
+kill), or until the next request completes (a Redis kill: the server is down for `--redis-down` seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import click
+import redis
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from client.api import run_requests, use_redis  # noqa: E402
+from client.embedded import EmbeddedServer  # noqa: E402
+from client.replicas import Replicas  # noqa: E402
+from replicadp_tasks.worker import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
+
+FAULTS = ("child", "replica", "redis")
+
+
+def parent_of(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def running(client: redis.Redis) -> list[tuple[str, dict]]:
+    """(task id, PROGRESS info) of every request being computed now (a killed one keeps reading PROGRESS
+    until it is computed again: skip those whose process is gone)."""
+    out = []
+    for key in client.scan_iter("celery-task-meta-*", count=1000):
+        meta = json.loads(client.get(key) or "{}")
+        if meta.get("status") == "PROGRESS" and os.path.exists(f"/proc/{meta['result']['pid']}"):
+            out.append((meta["task_id"], meta["result"]))
+    return out
+
+
+class Chaos:
+    """Kills something every `interval` seconds (randomised) until stopped; records each fault."""
+
+    def __init__(self, server: EmbeddedServer, seed: int, interval: float, redis_down: float, kinds):
+        self.server, self.interval, self.redis_down, self.kinds = server, interval, redis_down, kinds
+        self.rng = random.Random(seed)
+        self.faults: list[dict] = []
+        self.stop = threading.Event()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.server.url, socket_timeout=2, socket_connect_timeout=2)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.interval):
+            try:
+                self.strike(self.rng.choice(self.kinds))
+            except (redis.RedisError, OSError, ValueError) as exc:  # nothing running, a pid gone meanwhile
+                print(f"chaos: skipped a fault ({exc})", file=sys.stderr)
+
+    def strike(self, kind: str) -> None:
+        if kind == "redis":
+            os.kill(self.server.proc.pid, signal.SIGKILL)
+            self.server.proc.wait()
+            at = time.time()
+            time.sleep(self.redis_down)
+            self.server = EmbeddedServer(self.server.data_dir, port=self.server.port, password=self.server.password)
+            self.server.start()
+            self.faults.append({"kind": kind, "at": at, "task_id": None})
+            return
+        busy = running(self.client())
+        if not busy:
+            return
+        task_id, info = self.rng.choice(busy)
+        pid = info["pid"] if kind == "child" else parent_of(info["pid"])
+        os.kill(pid, signal.SIGKILL)
+        self.faults.append({"kind": kind, "at": time.time(), "task_id": task_id, "replica": info["replica"],
+                            "step": info["step"]})
+
+
+@click.command()
+@click.option("--replicas", "n", default=3, show_default=True)
+@click.option("--requests", "count", default=60, show_default=True)
+@click.option("--concurrency", default=0, help="In flight at most; 0 = 2 x replicas.")
+@click.option("--size", default="128x128", show_default=True)
+@click.option("--num-frames", default=17, show_default=True)
+@click.option("--steps", default=20, show_default=True)
+@click.option("--interval", default=6.0, show_default=True, help="Mean seconds between faults.")
+@click.option("--redis-down", default=2.0, show_default=True, help="Seconds Redis stays down when killed.")
+@click.option("--faults", "kinds", default=",".join(FAULTS), show_default=True, help="Kinds of fault to draw from.")
+@click.option("--seed", default=1, show_default=True)
+@click.option("--out", default="bench-results/chaos.json", show_default=True, type=click.Path(path_type=Path))
+def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, kinds, seed, out):
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the replicas, remove the run folder
+    width, height = (int(v) for v in size.split("x"))
+    kinds = tuple(k for k in kinds.split(",") if k)
+    if not set(kinds) <= set(FAULTS):
+        raise click.BadParameter(f"{kinds}: each must be one of {FAULTS}", param_hint="--faults")
+    run_dir = Path(tempfile.mkdtemp(prefix="replicadp-chaos-"))
+    server = EmbeddedServer(run_dir / "redis")
+    chaos = None
+    try:
+        url = server.start()
+        use_redis(url)
+        group = Replicas(n, redis_url=url, model="tiny", threads=1, log_path=run_dir / "replicas.log",
+                         env={"OUTPUT_DIR": str(run_dir / "out"), "REPLICADP_MAX_ATTEMPTS": "5"}).start()
+        try:
+            requests = [{"prompt": f"chaos {i}", "seed": i, "height": height, "width": width,
+                         "num_frames": num_frames, "num_inference_steps": steps} for i in range(count)]
+            chaos = Chaos(server, seed, interval, redis_down, kinds)
+            thread = threading.Thread(target=chaos.run, daemon=True)
+            started = time.time()
+            thread.start()
+            outcomes = []
+            with console.status("") as status:
+                for o in run_requests(requests, concurrency=concurrency or 2 * n, timeout=600):
+                    outcomes.append(o)
+                    status.update(f"{len(outcomes)}/{count} done, {len(chaos.faults)} faults")
+            chaos.stop.set()
+            thread.join()
+            elapsed = time.time() - started
+            client = chaos.client()
+            starts = {o.task_id: int(client.get(ATTEMPTS_KEY + o.task_id) or 0) for o in outcomes}
+            twice = int(client.hget(STATS_KEY, "duplicate_executions") or 0)
+        finally:
+            group.stop()
+    finally:
+        (chaos.server if chaos else server).stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    done_at = {o.task_id: o.finished_at for o in outcomes if o.ok}
+    completions = sorted(done_at.values())
+    for f in chaos.faults:
+        if f["task_id"] is not None:
+            end = done_at.get(f["task_id"])
+        else:
+            end = next((t for t in completions if t > f["at"] + redis_down), None)
+        f["recovery_s"] = round(end - f["at"], 2) if end else None
+    failed = [o for o in outcomes if not o.ok and not o.error.startswith("timed out")]
+    lost = count - sum(o.ok for o in outcomes) - len(failed)
+    report = {
+        "replicas": n, "requests": count, "size": size, "num_frames": num_frames, "steps": steps,
+        "interval_s": interval, "redis_down_s": redis_down, "seed": seed, "elapsed_s": round(elapsed, 1),
+        "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
+        "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),
+        "errors": sorted({o.error for o in failed}),
+        "recovery": {}, "faults": chaos.faults,
+    }
+    table = Table(title=f"chaos: {n} replicas, {count} requests, {len(chaos.faults)} faults in {elapsed:.0f} s")
+    for col in ("fault", "count", "recovered", "median recovery", "max recovery"):
+        table.add_column(col, justify="right")
+    for kind in kinds:
+        times = [f["recovery_s"] for f in chaos.faults if f["kind"] == kind]
+        ok = [t for t in times if t is not None]
+        report["recovery"][kind] = {"count": len(times), "recovered": len(ok),
+                                    "median_s": statistics.median(ok) if ok else None, "max_s": max(ok) if ok else None}
+        table.add_row(kind, str(len(times)), str(len(ok)), f"{statistics.median(ok):.1f} s" if ok else "-",
+                      f"{max(ok):.1f} s" if ok else "-")
+    console.print(table)
+    console.print(f"submitted {count}, completed {report['completed']}, failed {len(failed)}, lost {lost}, "
+                  f"computed more than once {twice}, started more than once {report['started_more_than_once']}")
+    for error in report["errors"]:
+        console.print(f"  failed: {error}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    console.print(f"JSON: {out}")
+    sys.exit(0 if report["completed"] == count and twice == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

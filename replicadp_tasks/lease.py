@@ -1,0 +1,174 @@
+"""Leases: who holds which message, who is alive, and who may compute a request.
+
+Redis redelivers an unacknowledged message only after `visibility_timeout`, counted from delivery, and kombu
+sweeps rarely: a long timeout leaves the request of a dead replica stuck for up to an hour, a short one runs
+long requests twice. replicadp keeps kombu's timeout long (a backstop above the hard time limit) and adds
+three things, all renewed by each replica's main process (never by the busy pool child):
+
+- `replicadp:alive:<replica>`: a heartbeat key that expires LEASE seconds after the last renewal.
+- `replicadp:holders`: delivery tag -> replica, written when a replica receives a message.
+- `replicadp:lock:<request_id>`: the fence; only the delivery holding it computes the request.
+
+Every replica sweeps once a second: a message whose holder's heartbeat has expired goes back to the queue
+(kombu's own `restore_by_tag`, a transaction, so concurrent sweepers push it once). A replica also requeues
+what is recorded as its own but its process does not hold: at once after a restart under the same name (its
+previous process's), and within two ticks when Celery dropped a message after a broker reconnect.
+A sweeper that has just (re)connected waits one lease first, so that a Redis restart, which expires every
+heartbeat at once, does not look like every replica dying.
+
+The delivery tag stays the same when kombu redelivers a message, so the tag alone cannot tell two deliveries
+apart: the fence lock carries `<replica>:<pid>:<task id>`, and a delivery that finds the lock held by a live
+other waits for that one's result instead of computing its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+log = logging.getLogger("replicadp")
+
+ALIVE_KEY = "replicadp:alive:"  # + replica name
+HOLDERS_KEY = "replicadp:holders"  # delivery tag -> replica name
+LOCK_KEY = "replicadp:lock:"  # + request_id -> token of the delivery computing it
+TICK_S = 1.0  # renewal and sweep period: a lease of 6 s survives 5 missed ticks
+UNACKED_KEY = "unacked"  # kombu's hash of delivered, unacknowledged messages (tag -> message)
+
+# Renew the lock only while we own it; release it only if we still own it.
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Forget a holder only if it is still the one we saw: the message may already be held again elsewhere.
+_FORGET = "if redis.call('hget', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('hdel', KEYS[1], ARGV[1]) end return 0"
+
+
+def token(replica: str, pid: int, task_id: str) -> str:
+    """Who computes a request: one pool child running one delivery."""
+    return f"{replica}:{pid}:{task_id}"
+
+
+def lock_key(kwargs: dict, task_id: str) -> str:
+    return LOCK_KEY + str(kwargs.get("request_id") or task_id)
+
+
+# --- in the pool child: the fence -----------------------------------------------------------------------
+
+def acquire(r: redis.Redis, key: str, tok: str, lease_s: int) -> str:
+    """Take the fence for this delivery. Returns "acquired", "held" (we already own it) or the other owner."""
+    if r.set(key, tok, nx=True, px=lease_s * 1000):
+        return "acquired"
+    owner = r.get(key)
+    if owner is None:  # expired between the two calls
+        return acquire(r, key, tok, lease_s)
+    owner = owner.decode()
+    return "held" if owner == tok else owner
+
+
+def release(r: redis.Redis, key: str, tok: str) -> None:
+    r.eval(_RELEASE, 1, key, tok)
+
+
+def _snapshot(requests) -> list:
+    """Celery's request sets, copied while the event loop may be changing them."""
+    for _ in range(10):
+        try:
+            return list(requests())
+        except RuntimeError:  # "Set changed size during iteration"
+            time.sleep(0.001)
+    return list(requests())
+
+
+# --- in the main process: heartbeat, renewal, sweep -------------------------------------------------------
+
+class Keeper:
+    """One replica's side of the leases; `run()` ticks every TICK_S in a thread of the main process."""
+
+    def __init__(self, name: str, url: str, lease_s: int):
+        self.name, self.lease_s = name, lease_s
+        self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.healthy_since: float | None = None
+        self.started = False  # False until the first sweep: what this name holds then is a previous process's
+        self.missing: dict[str, float] = {}  # tag recorded as ours but not among our requests -> since when
+        self.fences: dict[str, str] = {}  # fence key -> token, of the requests running here at the last tick
+        self.qos = None  # kombu's Redis QoS of the replica's channel: its restore_by_tag requeues a message
+
+    def run(self, requests) -> None:
+        """The lease thread: tick every TICK_S until the process exits. `requests()`: what it holds."""
+        while True:
+            started = time.monotonic()
+            try:
+                self.tick(_snapshot(requests))
+            except Exception:  # never let the heartbeat die with a bug in one tick
+                log.exception("lease: tick failed")
+            time.sleep(max(0.0, TICK_S - (time.monotonic() - started)))
+
+    def hold(self, tag: str) -> None:
+        """Record that this replica holds the message `tag` (called when it is received)."""
+        try:
+            self.redis.hset(HOLDERS_KEY, tag, self.name)
+        except redis.RedisError as exc:  # the next tick writes it again
+            log.warning("lease: cannot record holder of %s: %s", tag, exc)
+
+    def tick(self, requests) -> None:
+        """Renew this replica's heartbeat, its holders and the fences of its running requests; release the
+        fences of requests that ended here (a pool child killed mid-request cannot release its own, and its
+        requeued request must not wait a lease for it); then sweep.
+        `requests`: the Celery requests this process holds."""
+        fences = {lock_key(req.kwargs or {}, req.id): token(req.hostname, req.worker_pid, req.id)
+                  for req in requests if req.worker_pid}
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(ALIVE_KEY + self.name, str(time.time()), px=self.lease_s * 1000)
+            for req in requests:
+                pipe.hset(HOLDERS_KEY, req.message.delivery_tag, self.name)
+            for key, tok in fences.items():
+                pipe.eval(_RENEW, 1, key, tok, self.lease_s * 1000)
+            for key, tok in self.fences.items():
+                if fences.get(key) != tok:
+                    pipe.eval(_RELEASE, 1, key, tok)
+            pipe.execute()
+            self.fences = fences
+            now = time.time()
+            if self.healthy_since is None:
+                self.healthy_since = now
+            self.sweep({req.message.delivery_tag for req in requests}, now)
+        except redis.RedisError as exc:
+            if self.healthy_since is not None:
+                log.warning("lease: Redis unreachable (%s); sweeping resumes one lease after it is back", exc)
+            self.healthy_since = None
+
+    def sweep(self, mine: set, now: float) -> None:
+        """Requeue the messages that nobody is going to run: those recorded as held by this replica that its
+        process no longer holds (its previous process's, at start-up; or dropped by Celery when its broker
+        connection broke), and those whose holder's heartbeat expired. Forget holders of acknowledged ones."""
+        holders = {t.decode(): h.decode() for t, h in self.redis.hgetall(HOLDERS_KEY).items()}
+        tags = list(holders)
+        delivered = self.redis.hmget(UNACKED_KEY, tags) if tags else []
+        names = sorted(set(holders.values()))
+        alive = dict(zip(names, self.redis.mget([ALIVE_KEY + n for n in names]))) if names else {}
+        dead_sweep = now - self.healthy_since >= self.lease_s + 1  # one lease after (re)connecting
+        missing, self.missing = self.missing, {}
+        for tag, message in zip(tags, delivered):
+            holder = holders[tag]
+            if message is None:  # acknowledged
+                self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder)
+                continue
+            if tag in mine:
+                continue
+            if holder == self.name:
+                # A message arrives before Celery lists it: give it a tick (none at start-up: not ours yet).
+                self.missing[tag] = missing.get(tag, now)
+                if self.started and now - self.missing[tag] < 2 * TICK_S:
+                    continue
+                why = "no longer held by this process"
+            elif dead_sweep and alive[holder] is None:
+                why = "heartbeat expired"
+            else:
+                continue
+            log.warning("lease: requeueing message %s held by %s (%s)", tag, holder, why)
+            # Back at the head of the queue (kombu pops from the right): it has waited already.
+            self.qos.restore_by_tag(tag, client=self.redis, leftmost=False)
+            self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder)
+            self.missing.pop(tag, None)
+        self.started = True
