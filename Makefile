@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 .PHONY: install install-test demo test clean
 
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test
+install-test: $(VENV)/.installed-test $(VENV)/.installed-compose
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+# docker-compose v1 (PyPI's 1.29.2) checks docker-compose.yml without a Docker engine (tests/test_ops.py). It
+# pins PyYAML<6 and jsonschema<4, so it lives in a venv of its own; PyYAML 5.4 builds only with Cython<3.
+$(VENV)/.installed-compose:
+	test -x $(VENV)/compose/bin/python || $(PYTHON) -m venv $(VENV)/compose
+	$(VENV)/compose/bin/python -m pip install -q "cython<3" wheel setuptools
+	$(VENV)/compose/bin/python -m pip install -q --no-build-isolation "PyYAML==5.4.1"
+	$(VENV)/compose/bin/python -m pip install -q "docker-compose==1.29.2"
 	touch $@
 
 demo: install

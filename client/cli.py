@@ -12,10 +12,13 @@ import click
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from . import bench as benchmod
 from .api import ClientError, check_redis, live_replicas
+from .health import REPLY_TIMEOUT_S as HEALTH_REPLY_TIMEOUT_S
+from .health import STALL_S as HEALTH_STALL_S
 
 # Piped output (logs, CI, tests) is not wrapped at 80 columns.
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -243,7 +246,7 @@ def submit(file, results, concurrency, timeout, save_dir, longest_first):
 @click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
 def status(watch):
     """Live replicas, the request each is running and its step, queue depth, recent throughput."""
-    from .status import snapshot
+    from .status import THROUGHPUT_WINDOWS_MIN, snapshot
 
     try:
         check_redis()
@@ -252,15 +255,19 @@ def status(watch):
 
     def render():
         snap = snapshot()
-        t = Table(title=f"queue {snap['queue']!r}: {snap['queue_depth']} waiting; "
-                        f"{snap['videos_per_min_1m']} videos in the last minute, "
-                        f"{snap['videos_per_min_5m']:.1f}/min over 5 min")
-        for col in ("replica", "device", "model", "serving", "request", "step"):
+        wait = snap["oldest_wait_s"]
+        waited = f", the next waited {wait:.0f} s" if snap["queue_depth"] and wait is not None else ""
+        rates = ", ".join(f"{snap[f'videos_per_min_{m}m']:.1f} ({m} min)" for m in THROUGHPUT_WINDOWS_MIN)
+        t = Table(title=f"queue {snap['queue']!r}: {snap['queue_depth']} waiting{waited}; videos/min {rates}")
+        for col in ("replica", "device", "model", "serving", "request", "denoising", "step", "running"):
             t.add_column(col)
         for r in snap["replicas"]:
-            step = f"{r['step']}/{r['total_steps']}" if r["total_steps"] else ("starting" if r["request_id"] else "idle")
+            total = r["total_steps"]
+            step = f"{r['step']}/{total}" if total else ("starting" if r["request_id"] else "idle")
+            bar = ProgressBar(total=total, completed=r["step"] or 0, width=24) if total else ""
+            running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
             t.add_row(r["name"], str(r["device"]), str(r["model"]), "yes" if r["serving"] else "loading",
-                      str(r["request_id"] or "-"), step)
+                      str(r["request_id"] or "-"), bar, step, running)
         if not snap["replicas"]:
             t.caption = "no live replica"
         return t
@@ -386,6 +393,90 @@ def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, ba
     paths = write_outputs(reports, out, title)
     console.print("wrote " + ", ".join(map(str, paths)))
     sys.exit(0 if all(r["failed"] == 0 for r in reports) else 1)
+
+
+@main.command("serve-http")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8098, show_default=True)
+@click.option("--max-queue", default=64, show_default=True, envvar="REPLICADP_HTTP_MAX_QUEUE",
+              help="Requests waiting in the queue past which new ones get 429 (env REPLICADP_HTTP_MAX_QUEUE).")
+@click.option("--sync-timeout", default=1800.0, show_default=True, envvar="REPLICADP_HTTP_SYNC_TIMEOUT",
+              help="Seconds a /v1/videos/sync request waits before a 504 (env REPLICADP_HTTP_SYNC_TIMEOUT).")
+def serve_http(host, port, max_queue, sync_timeout):
+    """HTTP front door: vllm-omni's video API (/v1/videos, /v1/videos/sync) in front of the replicas."""
+    import uvicorn
+
+    from .gateway import create_app
+
+    try:
+        check_redis()
+    except ClientError as exc:
+        raise click.ClickException(str(exc))
+    # A sync request still waiting this long after SIGTERM is dropped, and its generation cancelled.
+    uvicorn.run(create_app(max_queue=max_queue, sync_timeout=sync_timeout), host=host, port=port,
+                timeout_graceful_shutdown=10)
+
+
+@main.command()
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 only in a container whose port is published on loopback).")
+@click.option("--port", default=5555, show_default=True)
+def flower(address, port):
+    """Flower, the Celery dashboard (replicas, requests), behind basic auth: FLOWER_BASIC_AUTH=user:password,
+    else a generated password, printed once."""
+    import os
+
+    from .flower import CredentialsError, credentials, exec_flower
+
+    try:
+        auth, generated = credentials(os.environ)
+        check_redis()
+    except (CredentialsError, ClientError) as exc:
+        raise click.ClickException(str(exc))
+    if generated:
+        console.print(f"Flower basic auth (generated, shown once): {auth}")
+    console.print(f"Flower on http://{address}:{port}/")
+    exec_flower(address, port, auth)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 only in a container whose port is published on loopback).")
+@click.option("--port", default=9808, show_default=True)
+def metrics(host, port):
+    """Prometheus exporter: queue depth and wait, replica busy/idle, requests completed and failed, latency and
+    queue-wait histograms."""
+    from .metrics import serve
+
+    try:
+        check_redis()
+    except ClientError as exc:
+        raise click.ClickException(str(exc))
+    console.print(f"metrics on http://{host}:{port}/metrics")
+    try:
+        serve(host, port)
+    except OSError as exc:
+        raise click.ClickException(f"--host {host} --port {port}: {exc}")
+
+
+@main.command()
+@click.option("--replica", required=True, help="Node name, e.g. replica0@%h (%h: this host, as in `celery worker -n`).")
+@click.option("--stall-after", default=HEALTH_STALL_S, show_default=True,
+              help="Seconds without progress (same step, or idle beside a waiting request) that are unhealthy.")
+@click.option("--timeout", default=HEALTH_REPLY_TIMEOUT_S, show_default=True, help="Seconds to wait for each reply.")
+def health(replica, stall_after, timeout):
+    """Exit 0 if the replica serves (answers, consumes the queue, makes progress), else 1; one line says why.
+    For docker-compose's healthcheck."""
+    from .health import check
+
+    try:
+        check_redis(timeout=timeout)
+    except ClientError as exc:
+        click.echo(f"unhealthy: {exc}")
+        sys.exit(1)
+    verdict = check(replica, stall_s=stall_after, timeout=timeout)
+    click.echo(f"{'healthy' if verdict.healthy else 'unhealthy'}: {verdict.reason}")
+    sys.exit(0 if verdict.healthy else 1)
 
 
 @main.command("make-tiny-model")

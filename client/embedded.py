@@ -37,8 +37,10 @@ def _binary() -> str:
 class EmbeddedServer:
     """A Valkey server owned by this process (or, detached, by the run folder's state)."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, password: str | None = None):
+    def __init__(self, data_dir: Path, port: int | None = None, password: str | None = None,
+                 also_bind: tuple[str, ...] = ()):
         self.data_dir = Path(data_dir).resolve()
+        self.also_bind = also_bind  # addresses besides 127.0.0.1 (a test's private network)
         self.port = port or _free_port()
         self.password = password or secrets.token_urlsafe(24)
         self.proc: subprocess.Popen | None = None
@@ -53,7 +55,8 @@ class EmbeddedServer:
         conf = self.data_dir / "valkey.conf"
         # Queued requests survive a restart only with the append-only file (measured: 0/5 without, 5/5 with).
         conf.write_text("\n".join([
-            "bind 127.0.0.1", f"port {self.port}", f"requirepass {self.password}", "protected-mode yes",
+            "bind " + " ".join(("127.0.0.1", *self.also_bind)),
+            f"port {self.port}", f"requirepass {self.password}", "protected-mode yes",
             f'dir "{self.data_dir}"', "appendonly yes", "appendfsync everysec", 'save ""',
             'logfile "valkey.log"', "daemonize no", "",
         ]))

@@ -1,4 +1,5 @@
-"""`replicadp status`: live replicas, what each is running and at which step, queue depth, throughput."""
+"""`replicadp status`: live replicas, what each is running and at which step, queue depth, throughput.
+Also the read side that `metrics` and `health` share: the shared queue's depth and its next request."""
 
 from __future__ import annotations
 
@@ -14,11 +15,33 @@ from replicadp_tasks.worker import COMPLETED_KEY, REPLICA_KEY
 
 from .api import redis_url
 
+THROUGHPUT_WINDOWS_MIN = (1, 5, 15)  # videos/min over these recent windows (completions are kept an hour)
+
 
 def replica_info(client, names) -> dict:
     """What each replica published when it loaded its model (model, device, pid)."""
     raws = client.mget([REPLICA_KEY + n for n in names]) if names else []
     return {n: json.loads(r) if r else {} for n, r in zip(names, raws)}
+
+
+def queue_head(client, queue: str = SETTINGS.queue) -> tuple[int, dict | None]:
+    """The queue's depth and the headers of the request a replica takes next (None when empty). kombu LPUSHes
+    and BRPOPs, and puts a requeued request back at the tail: the next request is at index -1, and it is also
+    the one that has waited longest (a requeued request keeps its first sending time)."""
+    pipe = client.pipeline()
+    pipe.llen(queue)
+    pipe.lindex(queue, -1)
+    depth, raw = pipe.execute()
+    return depth, (json.loads(raw).get("headers") or {}) if raw else None
+
+
+def waited_s(headers: dict | None, now: float) -> float | None:
+    """How long a queued request has waited (sender's clock), from the header the producer stamps;
+    0 for an empty queue, None when the request carries no stamp (sent by another producer)."""
+    if headers is None:
+        return 0.0
+    sent_at = headers.get("replicadp_sent_at")
+    return max(0.0, now - sent_at) if isinstance(sent_at, (int, float)) else None
 
 
 def snapshot() -> dict:
@@ -38,9 +61,13 @@ def snapshot() -> dict:
             "serving": any(q["name"] == SETTINGS.queue for q in queues.get(name, [])),
             "request_id": progress.get("request_id") or (running or {}).get("id"),
             "step": progress.get("step"), "total_steps": progress.get("total_steps"),
+            "running_s": time.time() - running["time_start"] if running and running.get("time_start") else None,
         })
     now = time.time()
-    done_1m = client.zcount(COMPLETED_KEY, now - 60, now)
-    done_5m = client.zcount(COMPLETED_KEY, now - 300, now)
-    return {"replicas": replicas, "queue": SETTINGS.queue, "queue_depth": client.llen(SETTINGS.queue),
-            "videos_per_min_1m": done_1m, "videos_per_min_5m": done_5m / 5.0}
+    depth, head = queue_head(client)
+    pipe = client.pipeline()
+    for minutes in THROUGHPUT_WINDOWS_MIN:
+        pipe.zcount(COMPLETED_KEY, now - 60 * minutes, now)
+    done = pipe.execute()
+    return {"replicas": replicas, "queue": SETTINGS.queue, "queue_depth": depth, "oldest_wait_s": waited_s(head, now),
+            **{f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, done)}}

@@ -1,0 +1,113 @@
+"""`replicadp metrics`: a Prometheus endpoint with what Flower's /metrics lacks.
+
+Read from Redis on each scrape: the shared queue's depth and how long its next request has waited. Kept from
+Celery's event stream (task events are on, celeryconfig.py): each replica's busy/idle state (its heartbeat
+carries how many requests it runs), requests completed and failed per replica, and histograms of latency
+(sent to succeeded) and queue wait (sent to started). Counters and histograms start at zero with the exporter
+and count what it saw, as Prometheus counters do; a request sent before the exporter started is counted when
+it ends but has no sending time to measure from. Times are the senders' clocks: keep hosts on NTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+from kombu.exceptions import OperationalError
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from replicadp_tasks import app
+from replicadp_tasks.settings import SETTINGS
+
+from .api import redis_url
+from .status import queue_head, waited_s
+
+log = logging.getLogger("replicadp.metrics")
+
+# Seconds. A tiny test request is ~0.1 s, Wan2.2-TI2V-5B at 832x480x33x30 ~14 s on an A800, the largest
+# allowed request tens of minutes.
+LATENCY_BUCKETS = (0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
+WAIT_BUCKETS = (0.01, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+RECONNECT_S = 2.0  # pause before reconnecting the event stream (Redis restarting)
+
+
+class Exporter:
+    """Counters and histograms fed by task events; gauges computed when scraped."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.state = app.events.State()
+        self.completed = Counter("replicadp_requests_completed", "Requests that succeeded, by replica",
+                                 ["replica"], registry=registry)
+        self.failed = Counter("replicadp_requests_failed", "Requests that failed, by replica",
+                              ["replica"], registry=registry)
+        self.latency = Histogram("replicadp_request_latency_seconds", "Sent to succeeded, seconds",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue_wait = Histogram("replicadp_queue_wait_seconds", "Sent to started on a replica, seconds",
+                                    buckets=WAIT_BUCKETS, registry=registry)
+        self.redis = redis.Redis.from_url(redis_url(), socket_connect_timeout=5, socket_timeout=5)
+        registry.register(self)
+
+    def on_event(self, event: dict) -> None:
+        self.state.event(event)
+        kind = event["type"]
+        if kind == "task-succeeded":
+            self.completed.labels(event["hostname"]).inc()
+        elif kind == "task-failed":
+            self.failed.labels(event["hostname"]).inc()
+        task = self.state.tasks.get(event["uuid"]) if kind.startswith("task-") else None
+        if task is None or task.sent is None:
+            return
+        # The producer sends task-sent after the request itself, so a replica's started (even succeeded) event
+        # can arrive first (seen with short requests): time each pair when its second event arrives.
+        if kind in ("task-sent", "task-started") and task.started:
+            self.queue_wait.observe(max(0.0, task.started - task.sent))
+        if kind in ("task-sent", "task-succeeded") and task.succeeded:
+            self.latency.observe(max(0.0, task.succeeded - task.sent))
+
+    def collect(self):
+        """Called on each scrape."""
+        up = GaugeMetricFamily("replicadp_redis_up", "1 if Redis answered this scrape")
+        try:
+            depth, head = queue_head(self.redis)
+        except redis.exceptions.RedisError as exc:
+            log.warning("scrape: Redis: %s", exc)
+            up.add_metric([], 0)
+            yield up
+        else:
+            up.add_metric([], 1)
+            yield up
+            yield GaugeMetricFamily("replicadp_queue_depth", f"Requests waiting in queue {SETTINGS.queue!r}",
+                                    value=depth)
+            waited = waited_s(head, time.time())
+            yield GaugeMetricFamily("replicadp_queue_oldest_age_seconds",
+                                    "How long the next queued request has waited (0: queue empty)",
+                                    value=float("nan") if waited is None else waited)
+        busy = GaugeMetricFamily("replicadp_replica_busy", "1 while the replica runs a request, 0 idle",
+                                 labels=["replica"])
+        # Under the state's lock: the event thread adds workers while a scrape reads them.
+        live = self.state.freeze_while(lambda: [(w.hostname, w.active) for w in self.state.workers.values() if w.alive])
+        for hostname, active in live:
+            busy.add_metric([hostname], 1 if active else 0)
+        yield busy
+
+    def receive_forever(self) -> None:
+        """Consume the event stream; reconnect when Redis goes away."""
+        while True:
+            try:
+                with app.connection_for_read() as conn:
+                    receiver = app.events.Receiver(conn, handlers={"*": self.on_event})
+                    # wakeup: every replica sends a heartbeat now, so busy/idle is known before the first one is due.
+                    receiver.capture(limit=None, timeout=None, wakeup=True)
+            except (OSError, OperationalError, redis.exceptions.RedisError) as exc:
+                log.warning("event stream lost (%s); reconnecting in %.0f s", exc, RECONNECT_S)
+                time.sleep(RECONNECT_S)
+
+
+def serve(host: str, port: int) -> None:
+    """Serve /metrics on host:port and consume events until the process is stopped."""
+    registry = CollectorRegistry()
+    exporter = Exporter(registry)
+    start_http_server(port, addr=host, registry=registry)
+    exporter.receive_forever()

@@ -1,0 +1,334 @@
+"""The HTTP front door (`replicadp serve-http`) as a client sees it: real gateway processes, spoken to with
+httpx, in front of real replicas (the tiny model on DB 0, a synthetic slow one on DB 11) or of none."""
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import httpx
+import pytest
+import redis
+import schemathesis
+from conftest import SESSION_DIR
+from hypothesis import HealthCheck, given, settings
+from PIL import Image
+
+from client.embedded import _free_port, die_with_parent, stop_pid
+from client.replicas import Replicas
+from replicadp_tasks.worker import CANCEL_KEY
+
+REPLICADP = str(Path(sys.executable).parent / "replicadp")
+SMALL = {"prompt": "a fox in snow", "size": "64x64", "num_frames": "9", "num_inference_steps": "2", "seed": "5"}
+# On the synthetic backend (synthetic:9): 0.3 s per step, 60 s in all; cancelled long before it would end.
+LONG = {"prompt": "a long one", "size": "832x480", "num_frames": "33", "num_inference_steps": "200"}
+
+
+def db(redis_server, n: int) -> str:
+    return redis_server.url[:-1] + str(n)
+
+
+@contextmanager
+def gateway(url: str, name: str, *args: str, **env: str):
+    """A `replicadp serve-http` process on a free port, serving once its OpenAPI schema answers; stopped by PID."""
+    port = _free_port()
+    log_path = SESSION_DIR / "logs" / f"gateway-{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([REPLICADP, "serve-http", "--port", str(port), *args], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "REDIS_URL": url, **env},
+                                preexec_fn=die_with_parent)  # noqa: PLW1509 (as Replicas does)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"gateway exited ({proc.returncode}):\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"gateway not up after 60 s:\n{log_path.read_text()}"
+            try:
+                if httpx.get(f"{base}/openapi.json").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        with httpx.Client(base_url=base, timeout=120) as client:
+            yield SimpleNamespace(url=base, client=client, redis_url=url)
+    finally:
+        stop_pid(proc.pid)
+
+
+@pytest.fixture(scope="module")
+def live(replicas, redis_server):
+    """A gateway in front of the session's two tiny-model replicas (DB 0)."""
+    with gateway(redis_server.url, "live") as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def closed(redis_server):
+    """A gateway on a DB with no replica that refuses every request past validation (max queue 0), with a
+    4 KiB limit on first frames."""
+    with gateway(db(redis_server, 12), "closed", "--max-queue", "0", REPLICADP_MAX_IMAGE_BYTES="4096") as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def slow(redis_server, tiny_model):
+    """One replica on the synthetic backend (requests take seconds, step by step) behind a gateway (DB 11)."""
+    url = db(redis_server, 11)
+    group = Replicas(1, redis_url=url, model="synthetic:9", threads=1,
+                     log_path=SESSION_DIR / "logs" / "synthetic.log").start(timeout=180)
+    try:
+        with gateway(url, "slow") as gw:
+            yield gw
+    finally:
+        group.stop()
+
+
+def multipart(form: dict) -> dict:
+    """A form as multipart parts, the way vllm-omni's clients send it (requests' files=, no file names)."""
+    return {k: (None, v) for k, v in form.items()}
+
+
+def post(gw, route: str, form: dict, **files) -> httpx.Response:
+    return gw.client.post(route, files={**multipart(form), **files})
+
+
+def mp4_frames(data: bytes) -> tuple[int, int, int, float]:
+    """(frames, width, height, frame rate) of an MP4, by decoding it."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        rate = float(stream.average_rate)
+    return len(frames), frames[0].shape[1], frames[0].shape[0], rate
+
+
+def wait_for(fetch, done, timeout: float = 120.0):
+    """Poll `fetch()` until `done(value)`; the value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fetch()
+        if done(value):
+            return value
+        assert time.monotonic() < deadline, f"still {value!r} after {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+def result_meta(url: str, task_id: str) -> dict | None:
+    """A task's stored result, read straight from the backend of `url` (this process's app is on DB 0)."""
+    raw = redis.Redis.from_url(url).get(f"celery-task-meta-{task_id}")
+    return json.loads(raw) if raw else None
+
+
+def test_the_gateway_never_imports_torch():
+    """The gateway holds no model: importing it (and the CLI that starts it) loads neither torch nor diffusers."""
+    code = "import sys, client.gateway, client.cli; sys.exit('torch' in sys.modules or 'diffusers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_sync_answers_a_decodable_mp4_of_the_asked_size(live, replicas):
+    """POST /v1/videos/sync answers video/mp4 that decodes to the asked size and frame count, with the
+    request id, model, replica and inference time in headers."""
+    r = post(live, "/v1/videos/sync", SMALL)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "video/mp4"
+    assert r.headers["x-model"] == "tiny" and r.headers["x-replica"] in replicas.names
+    assert r.headers["x-request-id"] and float(r.headers["x-inference-time-s"]) > 0
+    assert mp4_frames(r.content)[:3] == (9, 64, 64)
+
+
+def test_the_same_input_gives_the_same_bytes_on_either_replica(live, replicas):
+    """Four identical requests at once, served by both replicas, answer byte-identical MP4s (md5 and sha256
+    alike); another seed answers other bytes."""
+    form = {**SMALL, "size": None, "width": "64", "height": "64", "seed": "11"}
+    form = {k: v for k, v in form.items() if v is not None}
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: post(live, "/v1/videos/sync", form), range(4)))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert {a.headers["x-replica"] for a in answers} == set(replicas.names)
+    assert len({hashlib.sha256(a.content).hexdigest() for a in answers}) == 1
+    assert len({hashlib.md5(a.content).hexdigest() for a in answers}) == 1
+    other = post(live, "/v1/videos/sync", {**form, "seed": "12"})
+    assert other.status_code == 200 and other.content != answers[0].content
+
+
+def test_seconds_and_fps_set_the_frame_count(live):
+    """Without num_frames, seconds x fps + 1 frames (Wan's count: both ends), at that frame rate."""
+    form = {k: v for k, v in SMALL.items() if k != "num_frames"}
+    r = post(live, "/v1/videos/sync", {**form, "seconds": "2", "fps": "4"})
+    assert r.status_code == 200, r.text
+    assert mp4_frames(r.content) == (9, 64, 64, 4.0)
+
+
+def test_an_uploaded_first_frame_guides_the_video(live):
+    """input_reference (an image file) is the TI2V first frame: the answer is another video than without it."""
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(png, format="PNG")
+    with_frame = post(live, "/v1/videos/sync", SMALL, input_reference=("frame.png", png.getvalue(), "image/png"))
+    assert with_frame.status_code == 200, with_frame.text
+    without = post(live, "/v1/videos/sync", SMALL)
+    assert mp4_frames(with_frame.content)[:3] == (9, 64, 64) and with_frame.content != without.content
+
+
+def test_async_job_life_cycle(live, replicas):
+    """POST /v1/videos answers a queued job at once; it completes with progress 100; its content is the same
+    MP4 a sync request for the same input answers; it is listed; DELETE forgets it."""
+    r = post(live, "/v1/videos", SMALL)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["model"] == "tiny"
+    assert (job["size"], job["num_frames"], job["prompt"]) == ("64x64", 9, SMALL["prompt"]) and job["error"] is None
+    done = wait_for(lambda: live.client.get(f"/v1/videos/{job['id']}").json(),
+                    lambda j: j["status"] not in ("queued", "in_progress"))
+    assert done["status"] == "completed" and done["progress"] == 100 and done["replica"] in replicas.names
+    assert done["completed_at"] >= job["created_at"]
+    content = live.client.get(f"/v1/videos/{job['id']}/content")
+    assert content.status_code == 200 and content.headers["x-request-id"] == job["id"]
+    assert content.content == post(live, "/v1/videos/sync", SMALL).content
+    listed = live.client.get("/v1/videos", params={"limit": 100}).json()
+    assert job["id"] in [j["id"] for j in listed["data"]] and listed["object"] == "list"
+    deleted = live.client.delete(f"/v1/videos/{job['id']}")
+    assert deleted.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert live.client.get(f"/v1/videos/{job['id']}").status_code == 404
+    assert live.client.get(f"/v1/videos/{job['id']}/content").status_code == 404
+
+
+@pytest.mark.parametrize("change, status, field", [
+    ({"size": "64by64"}, 400, "size"),
+    ({"width": "128"}, 400, "size"),  # conflicts with size=64x64
+    ({"num_frames": "8"}, 400, "num_frames"),
+    ({"num_frames": None, "seconds": "1", "fps": "5"}, 400, "seconds"),  # 6 frames
+    ({"prompt": "a\x00b"}, 400, "prompt"),
+    ({"model": "Wan-AI/other"}, 400, "model"),
+    ({"flow_shift": "5.0"}, 400, "flow_shift"),  # vllm-omni knows it; ignoring it would change the video
+    ({"size": "48x64"}, 400, "width"),  # refused by the task: the tiny model needs multiples of 32
+    ({"size": "128x128", "num_frames": "33", "num_inference_steps": "30"}, 400,
+     "height x width x num_frames x num_inference_steps"),  # over the replicas' budget
+    ({"num_frames": "nine"}, 422, "num_frames"),
+    ({"prompt": None}, 422, "prompt"),
+])
+def test_bad_input_is_refused_naming_the_field(live, change, status, field):
+    """A malformed or invalid field is a 400 (generate's validation, in the gateway or in the task) or a 422
+    (not of the field's type), with an OpenAI-style error naming the field; it never reaches a 500."""
+    form = {k: v for k, v in {**SMALL, **change}.items() if v is not None}
+    r = post(live, "/v1/videos/sync", form)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(field), error
+
+
+def test_an_invalid_async_request_creates_no_job(live):
+    """POST /v1/videos with a field the gateway can check is refused at once; no job is listed for it."""
+    before = live.client.get("/v1/videos", params={"limit": 100}).json()["data"]
+    r = post(live, "/v1/videos", {**SMALL, "num_frames": "8"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "num_frames"
+    assert live.client.get("/v1/videos", params={"limit": 100}).json()["data"] == before
+
+
+def test_an_oversized_first_frame_is_413(closed):
+    """A first frame over REPLICADP_MAX_IMAGE_BYTES is a 413 naming input_reference, whether it fits the body
+    limit (checked on the file) or not (refused by its Content-Length before it is read)."""
+    for size in (5000, 4 * 1024 * 1024):
+        r = post(closed, "/v1/videos/sync", SMALL, input_reference=("big.png", b"x" * size, "image/png"))
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["param"] == "input_reference"
+
+
+def test_health_is_503_without_a_live_replica(closed, live, replicas):
+    """/health is 503 on a Redis with no live replica and 200 listing them where they serve; /v1/models
+    lists the served model."""
+    r = closed.client.get("/health")
+    assert r.status_code == 503 and r.json()["replicas"] == []
+    ok = live.client.get("/health")
+    assert ok.status_code == 200 and ok.json()["status"] == "ok" and ok.json()["replicas"] == replicas.names
+    models = live.client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_past_the_queue_depth_requests_get_429(redis_server):
+    """With --max-queue 1 and nothing taking requests, the first is queued and the next ones, async or sync,
+    are refused with 429 and a Retry-After in seconds instead of queueing without bound."""
+    with gateway(db(redis_server, 13), "full", "--max-queue", "1") as gw:
+        assert post(gw, "/v1/videos", SMALL).status_code == 200
+        for route in ("/v1/videos", "/v1/videos/sync"):
+            r = post(gw, route, SMALL)
+            assert r.status_code == 429, r.text
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_gateways_share_jobs_and_a_queued_job_is_cancelled(redis_server):
+    """Two gateways on one Redis: a job created through one is read, listed and deleted through the other;
+    deleting a queued job cancels it (no replica will run it), and a sync request that times out is a 504
+    whose request is cancelled too."""
+    url = db(redis_server, 14)
+    with gateway(url, "a", "--sync-timeout", "1") as a, gateway(url, "b") as b:
+        job = post(a, "/v1/videos", SMALL).json()
+        assert b.client.get(f"/v1/videos/{job['id']}").json()["status"] == "queued"
+        assert [j["id"] for j in b.client.get("/v1/videos").json()["data"]] == [job["id"]]
+        assert b.client.delete(f"/v1/videos/{job['id']}").json()["deleted"] is True
+        assert a.client.get(f"/v1/videos/{job['id']}").status_code == 404
+        assert redis.Redis.from_url(url).exists(CANCEL_KEY + job["id"])
+        timed_out = post(a, "/v1/videos/sync", SMALL)
+        assert timed_out.status_code == 504 and timed_out.json()["error"]["code"] == "timeout"
+        wait_for(lambda: len(redis.Redis.from_url(url).keys(CANCEL_KEY + "*")), lambda n: n == 2, timeout=10)
+
+
+def test_deleting_a_running_job_stops_it(slow):
+    """DELETE of a job in progress stops it at its next denoising step (its task ends RequestCancelled, long
+    before it would have completed) and the replica serves the next request."""
+    job = post(slow, "/v1/videos", LONG).json()
+    running = wait_for(lambda: slow.client.get(f"/v1/videos/{job['id']}").json(), lambda j: j["progress"] > 0)
+    assert running["status"] == "in_progress" and running["replica"]
+    assert slow.client.delete(f"/v1/videos/{job['id']}").status_code == 200
+    meta = wait_for(lambda: result_meta(slow.redis_url, job["id"]), lambda m: m and m["status"] == "FAILURE")
+    assert meta["result"]["exc_type"] == "RequestCancelled"
+    assert post(slow, "/v1/videos/sync", SMALL).status_code == 200
+
+
+def test_a_sync_client_that_goes_away_cancels_its_request(slow):
+    """A sync request whose client disconnects is cancelled: no replica keeps computing a video nobody waits
+    for (its task ends RequestCancelled)."""
+    client = redis.Redis.from_url(slow.redis_url)
+    before = set(client.keys("celery-task-meta-*"))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow.url}/v1/videos/sync", files=multipart(LONG), timeout=3)
+
+    def cancelled():
+        metas = [json.loads(client.get(k)) for k in set(client.keys("celery-task-meta-*")) - before]
+        return [m for m in metas if m["status"] == "FAILURE"]
+
+    ended = wait_for(cancelled, bool)
+    assert [m["result"]["exc_type"] for m in ended] == ["RequestCancelled"]
+
+
+def test_the_openapi_schema_describes_the_api(closed):
+    """/openapi.json lists every endpoint, and the sync route's multipart form with its fields."""
+    schema = closed.client.get("/openapi.json").json()
+    assert {"/v1/videos/sync", "/v1/videos", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content",
+            "/v1/models", "/health"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/videos/sync"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    form = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"prompt", "size", "seconds", "fps", "model", "input_reference"} <= set(form["properties"])
+    assert form["required"] == ["prompt"]
+
+
+def test_schemathesis_finds_no_500(closed):
+    """Requests generated from /openapi.json for every operation (30 per operation, against a gateway that
+    refuses whatever passes validation, so that nothing is generated) never answer a 500."""
+    api = schemathesis.openapi.from_url(f"{closed.url}/openapi.json")
+    for found in api.get_all_operations():
+        operation = found.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def no_500(case):
+            response = case.call()
+            assert response.status_code != 500, f"{case.method} {case.formatted_path}: {response.text}"
+
+        no_500()
