@@ -44,6 +44,8 @@ task_time_limit = _S.time_limit_s
 # Redis redelivers an unacknowledged message after visibility_timeout: keep it above the hard limit,
 # or a long request runs twice.
 broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300}
+# Sending a request rides out a Redis restart (~30 s of retries) instead of failing the caller.
+task_publish_retry_policy = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 # An unreachable Redis is a clear error within seconds, not a hang.
 redis_socket_connect_timeout = 5
 broker_connection_timeout = 5

@@ -33,6 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from client.api import run_requests, use_redis  # noqa: E402
 from client.embedded import EmbeddedServer  # noqa: E402
 from client.replicas import Replicas  # noqa: E402
+from replicadp_tasks.store import outage_tolerant  # noqa: E402
 from replicadp_tasks.worker import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
 
 FAULTS = ("child", "replica", "redis")
@@ -61,16 +62,22 @@ class Chaos:
         self.rng = random.Random(seed)
         self.faults: list[dict] = []
         self.stop = threading.Event()
+        self.striking = threading.Lock()  # held during a fault: the batch's figures are read between faults
+        # A restarted server dies with the thread that started it (PR_SET_PDEATHSIG is per thread): this
+        # thread outlives the run until the server has been stopped.
+        self.release = threading.Event()
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.server.url, socket_timeout=2, socket_connect_timeout=2)
 
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.interval):
-            try:
-                self.strike(self.rng.choice(self.kinds))
-            except (redis.RedisError, OSError, ValueError) as exc:  # nothing running, a pid gone meanwhile
-                print(f"chaos: skipped a fault ({exc})", file=sys.stderr)
+            with self.striking:
+                try:
+                    self.strike(self.rng.choice(self.kinds))
+                except (redis.RedisError, OSError, ValueError) as exc:  # nothing running, a pid gone meanwhile
+                    print(f"chaos: skipped a fault ({exc})", file=sys.stderr)
+        self.release.wait()
 
     def strike(self, kind: str) -> None:
         if kind == "redis":
@@ -103,8 +110,9 @@ class Chaos:
 @click.option("--redis-down", default=2.0, show_default=True, help="Seconds Redis stays down when killed.")
 @click.option("--faults", "kinds", default=",".join(FAULTS), show_default=True, help="Kinds of fault to draw from.")
 @click.option("--seed", default=1, show_default=True)
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds after which a request counts as lost.")
 @click.option("--out", default="bench-results/chaos.json", show_default=True, type=click.Path(path_type=Path))
-def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, kinds, seed, out):
+def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, kinds, seed, timeout, out):
     console = Console(width=None if sys.stdout.isatty() else 160)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the replicas, remove the run folder
     width, height = (int(v) for v in size.split("x"))
@@ -113,7 +121,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
         raise click.BadParameter(f"{kinds}: each must be one of {FAULTS}", param_hint="--faults")
     run_dir = Path(tempfile.mkdtemp(prefix="replicadp-chaos-"))
     server = EmbeddedServer(run_dir / "redis")
-    chaos = None
+    chaos, outcomes = None, []
     try:
         url = server.start()
         use_redis(url)
@@ -126,22 +134,27 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
             thread = threading.Thread(target=chaos.run, daemon=True)
             started = time.time()
             thread.start()
-            outcomes = []
             with console.status("") as status:
-                for o in run_requests(requests, concurrency=concurrency or 2 * n, timeout=600):
+                for o in run_requests(requests, concurrency=concurrency or 2 * n, timeout=timeout):
                     outcomes.append(o)
                     status.update(f"{len(outcomes)}/{count} done, {len(chaos.faults)} faults")
             chaos.stop.set()
-            thread.join()
+            with chaos.striking:  # a fault under way has ended (Redis is up again)
+                pass
             elapsed = time.time() - started
-            client = chaos.client()
+            client = outage_tolerant(chaos.server.url)  # the last fault may have just restarted Redis
             starts = {o.task_id: int(client.get(ATTEMPTS_KEY + o.task_id) or 0) for o in outcomes}
             twice = int(client.hget(STATS_KEY, "duplicate_executions") or 0)
         finally:
             group.stop()
     finally:
         (chaos.server if chaos else server).stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if chaos:
+            chaos.release.set()
+        if chaos and all(o.ok for o in outcomes) and len(outcomes) == count:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            print(f"chaos: kept {run_dir} (logs, Redis data) for a look", file=sys.stderr)
 
     done_at = {o.task_id: o.finished_at for o in outcomes if o.ok}
     completions = sorted(done_at.values())
@@ -176,6 +189,9 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
                   f"computed more than once {twice}, started more than once {report['started_more_than_once']}")
     for error in report["errors"]:
         console.print(f"  failed: {error}")
+    for o in outcomes:
+        if not o.ok:
+            console.print(f"  not completed: {o.task_id} {o.request['prompt']!r}: {o.error}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     console.print(f"JSON: {out}")

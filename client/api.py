@@ -225,5 +225,8 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
                 done = settle(task_id, backend.decode_result(message["data"]), time.time())
                 if done:
                     yield done
-            message = pubsub.get_message(timeout=0)
+            try:
+                message = pubsub.get_message(timeout=0)
+            except redis.exceptions.ConnectionError:  # the next wait reconnects
+                message = None
     pubsub.close()

@@ -12,7 +12,8 @@ three things, all renewed by each replica's main process (never by the busy pool
 Every replica sweeps once a second: a message whose holder's heartbeat has expired goes back to the queue
 (kombu's own `restore_by_tag`, a transaction, so concurrent sweepers push it once). A replica also requeues
 what is recorded as its own but its process does not hold: at once after a restart under the same name (its
-previous process's), and within two ticks when Celery dropped a message after a broker reconnect.
+previous process's), and within two ticks when Celery dropped a message after a broker reconnect; and any
+message delivered a lease ago that no replica recorded (the broker died as it arrived: seen in a chaos run).
 A sweeper that has just (re)connected waits one lease first, so that a Redis restart, which expires every
 heartbeat at once, does not look like every replica dying.
 
@@ -35,6 +36,7 @@ HOLDERS_KEY = "replicadp:holders"  # delivery tag -> replica name
 LOCK_KEY = "replicadp:lock:"  # + request_id -> token of the delivery computing it
 TICK_S = 1.0  # renewal and sweep period: a lease of 6 s survives 5 missed ticks
 UNACKED_KEY = "unacked"  # kombu's hash of delivered, unacknowledged messages (tag -> message)
+UNACKED_INDEX_KEY = "unacked_index"  # kombu's sorted set of the same tags, scored by delivery time
 
 # Renew the lock only while we own it; release it only if we still own it.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
@@ -141,7 +143,8 @@ class Keeper:
     def sweep(self, mine: set, now: float) -> None:
         """Requeue the messages that nobody is going to run: those recorded as held by this replica that its
         process no longer holds (its previous process's, at start-up; or dropped by Celery when its broker
-        connection broke), and those whose holder's heartbeat expired. Forget holders of acknowledged ones."""
+        connection broke), those whose holder's heartbeat expired, and those delivered a lease ago that no
+        replica ever recorded (the broker died as the message arrived). Forget holders of acknowledged ones."""
         holders = {t.decode(): h.decode() for t, h in self.redis.hgetall(HOLDERS_KEY).items()}
         tags = list(holders)
         delivered = self.redis.hmget(UNACKED_KEY, tags) if tags else []
@@ -161,14 +164,21 @@ class Keeper:
                 self.missing[tag] = missing.get(tag, now)
                 if self.started and now - self.missing[tag] < 2 * TICK_S:
                     continue
-                why = "no longer held by this process"
+                self.requeue(tag, holder, "no longer held by this process")
             elif dead_sweep and alive[holder] is None:
-                why = "heartbeat expired"
-            else:
-                continue
-            log.warning("lease: requeueing message %s held by %s (%s)", tag, holder, why)
-            # Back at the head of the queue (kombu pops from the right): it has waited already.
-            self.qos.restore_by_tag(tag, client=self.redis, leftmost=False)
-            self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder)
-            self.missing.pop(tag, None)
+                self.requeue(tag, holder, "heartbeat expired")
         self.started = True
+        if dead_sweep:
+            # Every held message is recorded within a tick of its arrival; one unrecorded after a lease has none.
+            for tag in self.redis.zrangebyscore(UNACKED_INDEX_KEY, 0, now - self.lease_s - 2 * TICK_S):
+                tag = tag.decode()
+                if tag not in holders and tag not in mine:
+                    self.requeue(tag, None, "no replica recorded it")
+
+    def requeue(self, tag: str, holder: str | None, why: str) -> None:
+        log.warning("lease: requeueing message %s held by %s (%s)", tag, holder or "nobody", why)
+        # Back at the head of the queue (kombu pops from the right): it has waited already.
+        self.qos.restore_by_tag(tag, client=self.redis, leftmost=False)
+        if holder is not None:
+            self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder)
+        self.missing.pop(tag, None)

@@ -76,3 +76,4 @@ def test_embedded_server_wants_the_password_and_listens_on_loopback(redis_server
     client = redis.Redis.from_url(redis_server.url)
     assert client.config_get("bind")["bind"] == "127.0.0.1"
     assert client.config_get("appendonly")["appendonly"] == "yes"
+    assert client.config_get("appendfsync")["appendfsync"] == "always"
