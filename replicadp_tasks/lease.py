@@ -38,6 +38,9 @@ TICK_S = 1.0  # renewal and sweep period: a lease of 6 s survives 5 missed ticks
 UNACKED_KEY = "unacked"  # kombu's hash of delivered, unacknowledged messages (tag -> message)
 UNACKED_INDEX_KEY = "unacked_index"  # kombu's sorted set of the same tags, scored by delivery time
 
+# Take the lock if free; else say who owns it (atomically: it cannot expire between the two).
+_ACQUIRE = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'acquired' end "
+            "local owner = redis.call('get', KEYS[1]) if owner == ARGV[1] then return 'held' end return owner")
 # Renew the lock only while we own it; release it only if we still own it.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -57,14 +60,9 @@ def lock_key(kwargs: dict, task_id: str) -> str:
 # --- in the pool child: the fence -----------------------------------------------------------------------
 
 def acquire(r: redis.Redis, key: str, tok: str, lease_s: int) -> str:
-    """Take the fence for this delivery. Returns "acquired", "held" (we already own it) or the other owner."""
-    if r.set(key, tok, nx=True, px=lease_s * 1000):
-        return "acquired"
-    owner = r.get(key)
-    if owner is None:  # expired between the two calls
-        return acquire(r, key, tok, lease_s)
-    owner = owner.decode()
-    return "held" if owner == tok else owner
+    """Take the fence for this delivery. Returns "acquired", "held" (we already own it) or the other owner.
+    One round trip: it runs at every denoising step."""
+    return r.eval(_ACQUIRE, 1, key, tok, lease_s * 1000).decode()
 
 
 def release(r: redis.Redis, key: str, tok: str) -> None:

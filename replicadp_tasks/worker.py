@@ -134,4 +134,5 @@ def _load_then_consume(**_):
     while not app.control.add_consumer(SETTINGS.queue, destination=[name], reply=True, timeout=1.0):
         pass
 
+
 app.steps["consumer"].add(LeaseStep)

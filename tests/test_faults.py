@@ -16,6 +16,8 @@ from replicadp_tasks.worker import ATTEMPTS_KEY, DEAD_KEY, REPLICA_KEY, STATS_KE
 
 SLOW = {"height": 128, "width": 128, "num_frames": 17, "num_inference_steps": 30}  # ~1-2 s on the tiny model
 # The same budget as SLOW, spent on more, smaller steps: a few seconds, with a PROGRESS report every step.
+# What a replica serves after a fault: the smallest request.
+SHORT = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
 LONG = {"height": 64, "width": 64, "num_frames": 17, "num_inference_steps": 120}
 
 
@@ -150,8 +152,7 @@ def test_launcher_restarts_a_dead_replica(redis_server, tmp_path):
         client = redis.Redis.from_url(url)
         name = group.names[0]
         child = json.loads(client.get(REPLICA_KEY + name))["pid"]
-        main = int(open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[1])  # the child's parent
-        os.kill(main, signal.SIGKILL)
+        os.kill(parent_of(child), signal.SIGKILL)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             info = json.loads(client.get(REPLICA_KEY + name))
@@ -175,9 +176,8 @@ def test_soft_time_limit_fails_the_request_and_the_replica_serves_on(redis_serve
     group = start_replicas(1, url, "time-limits", OUTPUT_DIR=str(tmp_path), REPLICADP_SOFT_TIME_LIMIT="1",
                            REPLICADP_TIME_LIMIT="30")
     long = {"prompt": "too long", "height": 256, "width": 256, "num_frames": 33, "num_inference_steps": 30}
-    short = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
     try:
-        first, second = run_client_on(url, [long, short], concurrency=1)
+        first, second = run_client_on(url, [long, SHORT], concurrency=1)
     finally:
         group.stop()
     assert not first.ok and first.error.startswith("SoftTimeLimitExceeded"), first.error or first.result["timings"]
@@ -193,10 +193,9 @@ def test_hard_time_limit_replaces_the_process(redis_server, tmp_path):
     group = start_replicas(1, url, "hard-limit", OUTPUT_DIR=str(tmp_path), REPLICADP_SOFT_TIME_LIMIT="0",
                            REPLICADP_TIME_LIMIT="2")
     long = {"prompt": "hangs", "height": 256, "width": 256, "num_frames": 33, "num_inference_steps": 30}
-    short = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
     try:
         child = json.loads(redis.Redis.from_url(url).get(REPLICA_KEY + group.names[0]))["pid"]
-        first, second = run_client_on(url, [long, short], concurrency=1)
+        first, second = run_client_on(url, [long, SHORT], concurrency=1)
     finally:
         group.stop()
     assert not first.ok and first.error.startswith("TimeLimitExceeded"), first.error or first.result["timings"]
@@ -221,8 +220,7 @@ def test_out_of_memory_fails_the_request_and_the_replica_serves_on(redis_server,
         resource.prlimit(child, resource.RLIMIT_AS, (cap, cap))
         rss = vm_kib(child, "VmRSS")
         huge = {"prompt": "too big", "height": 1024, "width": 1024, "num_frames": 81, "num_inference_steps": 2}
-        small = {"prompt": "fits", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
-        first, second = run_client_on(url, [huge, small], concurrency=1)
+        first, second = run_client_on(url, [huge, SHORT], concurrency=1)
         rss_after = vm_kib(child, "VmRSS")
     finally:
         group.stop()
