@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 import redis
+from kombu.exceptions import OperationalError
 from rich.console import Console
 from rich.table import Table
 
@@ -33,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from client.api import run_requests, use_redis  # noqa: E402
 from client.embedded import EmbeddedServer  # noqa: E402
 from client.replicas import Replicas  # noqa: E402
+from replicadp_tasks.settings import SETTINGS  # noqa: E402
 from replicadp_tasks.store import outage_tolerant  # noqa: E402
 from replicadp_tasks.worker import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
 
@@ -41,6 +43,24 @@ FAULTS = ("child", "replica", "redis")
 
 def parent_of(pid: int) -> int:
     return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def wait_serving(names: list[str], timeout: float = 120.0) -> int:
+    """How many of the replicas `names` consume the shared queue again, waiting up to `timeout` for all of them
+    (after the last fault, a replica may still be reloading its model)."""
+    from replicadp_tasks import app
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:  # a connection of its own: the pooled ones may predate the last Redis restart
+            with app.connection_for_write() as conn:
+                replies = app.control.inspect(destination=names, timeout=2, connection=conn).active_queues() or {}
+        except (redis.RedisError, OperationalError, OSError):
+            replies = {}
+        serving = sum(any(q["name"] == SETTINGS.queue for q in replies.get(name) or []) for name in names)
+        if serving == len(names) or time.monotonic() > deadline:
+            return serving
+        time.sleep(1)
 
 
 def running(client: redis.Redis) -> list[tuple[str, dict]]:
@@ -121,7 +141,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
         raise click.BadParameter(f"{kinds}: each must be one of {FAULTS}", param_hint="--faults")
     run_dir = Path(tempfile.mkdtemp(prefix="replicadp-chaos-"))
     server = EmbeddedServer(run_dir / "redis")
-    chaos, outcomes = None, []
+    chaos, outcomes, serving = None, [], 0
     try:
         url = server.start()
         use_redis(url)
@@ -145,13 +165,14 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
             client = outage_tolerant(chaos.server.url)  # the last fault may have just restarted Redis
             starts = {o.task_id: int(client.get(ATTEMPTS_KEY + o.task_id) or 0) for o in outcomes}
             twice = int(client.hget(STATS_KEY, "duplicate_executions") or 0)
+            serving = wait_serving(group.names)  # none left paused (a killed child's replica) or stuck
         finally:
             group.stop()
     finally:
         (chaos.server if chaos else server).stop()
         if chaos:
             chaos.release.set()
-        if chaos and all(o.ok for o in outcomes) and len(outcomes) == count:
+        if chaos and all(o.ok for o in outcomes) and len(outcomes) == count and serving == n:
             shutil.rmtree(run_dir, ignore_errors=True)
         else:
             print(f"chaos: kept {run_dir} (logs, Redis data) for a look", file=sys.stderr)
@@ -171,6 +192,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
         "interval_s": interval, "redis_down_s": redis_down, "seed": seed, "elapsed_s": round(elapsed, 1),
         "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
         "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),
+        "replicas_serving_at_end": serving,
         "errors": sorted({o.error for o in failed}),
         "recovery": {}, "faults": chaos.faults,
     }
@@ -186,7 +208,8 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
                       f"{max(ok):.1f} s" if ok else "-")
     console.print(table)
     console.print(f"submitted {count}, completed {report['completed']}, failed {len(failed)}, lost {lost}, "
-                  f"computed more than once {twice}, started more than once {report['started_more_than_once']}")
+                  f"computed more than once {twice}, started more than once {report['started_more_than_once']}; "
+                  f"replicas serving at the end {serving}/{n}")
     for error in report["errors"]:
         console.print(f"  failed: {error}")
     for o in outcomes:
@@ -195,7 +218,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     console.print(f"JSON: {out}")
-    sys.exit(0 if report["completed"] == count and twice == 0 else 1)
+    sys.exit(0 if report["completed"] == count and twice == 0 and serving == n else 1)
 
 
 if __name__ == "__main__":

@@ -173,6 +173,13 @@ class Keeper:
                 if tag not in holders and tag not in mine:
                     self.requeue(tag, None, "no replica recorded it")
 
+    def lost(self, req) -> None:
+        """The pool child running `req` died: release its fence and requeue its message now, not at the next
+        tick (the requeued request would wait on the fence)."""
+        if req.worker_pid:
+            release(self.redis, lock_key(req.kwargs or {}, req.id), token(req.hostname, req.worker_pid, req.id))
+        self.requeue(req.message.delivery_tag, self.name, "its pool child was lost")
+
     def requeue(self, tag: str, holder: str | None, why: str) -> None:
         log.warning("lease: requeueing message %s held by %s (%s)", tag, holder or "nobody", why)
         # Back at the head of the queue (kombu pops from the right): it has waited already.

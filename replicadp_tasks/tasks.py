@@ -20,7 +20,7 @@ log = logging.getLogger("replicadp")
 FENCE_POLL_S = 0.5  # how often a delivery waiting on another's fence looks for its result
 
 
-@app.task(name="replicadp.generate", bind=True)
+@app.task(name="replicadp.generate", bind=True, Request="replicadp_tasks.worker:ReplicaRequest")
 def generate(self, prompt=None, **kwargs):
     """Generate one video; returns JSON metadata (never the bytes: those go to the output store)."""
     started = time.time()

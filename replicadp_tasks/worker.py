@@ -3,22 +3,28 @@
 The main process would reserve a request as soon as it starts consuming, while its child is still
 loading the model (seen: a request waited 12 s on a loading replica beside an idle, ready one). So a
 replica starts on a private standby queue, and the child, once its model is resident, asks its own main
-process to consume the shared queue.
+process to consume the shared queue. When the child dies (killed, or past the hard time limit), the main
+process stops consuming the shared queue before it lets go of the request, and the replacement child
+opens it again once it has reloaded the model: meanwhile the request runs on a replica that is ready.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import threading
 import time
 
 import redis
+from billiard.exceptions import WorkerLostError
 from celery import bootsteps, signals
 from celery.worker import state as worker_state
+from celery.worker.request import Request
 from kombu import Queue
+from kombu.exceptions import OperationalError
 
 from .app import app
 from .lease import Keeper
@@ -34,7 +40,8 @@ ATTEMPTS_KEY = "replicadp:attempts:"  # + task id: how many times a delivery of 
 DEAD_KEY = "replicadp:dead"  # JSON records of requests failed as poison, newest first
 CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request
 STATS_KEY = "replicadp:stats"  # counters: duplicate_executions (a second delivery computed a stored result)
-_state: dict = {"name": None, "holder": None, "store": None, "redis": None, "keeper": None}
+_state: dict = {"name": None, "holder": None, "store": None, "redis": None, "keeper": None, "consumer": None,
+                "stopping": None}
 
 
 def holder() -> PipelineHolder:
@@ -81,7 +88,16 @@ def record_completion(request_id: str) -> None:
 def _start_on_standby(sender, instance, conf, **_):
     """In the main process, before it consumes: listen only on this replica's standby queue."""
     _state["name"] = sender
+    _state["stopping"] = multiprocessing.RawValue("b", 0)  # shared memory: pool children see it set
     conf.task_queues = [Queue(f"replicadp.standby.{sender}")]
+
+
+@signals.worker_shutting_down.connect
+def _stopping(**_):
+    """In the main process, at SIGTERM/SIGINT: tell a child still loading not to wait for an answer that a
+    stopping main process no longer gives (seen: a warm shutdown during a reload hung until SIGKILL)."""
+    if _state["stopping"] is not None:
+        _state["stopping"].value = 1
 
 
 class LeaseStep(bootsteps.StartStopStep):
@@ -94,10 +110,44 @@ class LeaseStep(bootsteps.StartStopStep):
     def start(self, c):
         keeper = _state["keeper"] or Keeper(c.hostname, SETTINGS.redis_url, SETTINGS.lease_s)
         keeper.qos = c.task_consumer.channel.qos  # kombu's requeue; a new one after each broker reconnect
+        _state["consumer"] = c
         if _state["keeper"] is None:
             _state["keeper"] = keeper
             threading.Thread(target=keeper.run, name="replicadp-lease", daemon=True,
                              args=(lambda: worker_state.reserved_requests | worker_state.active_requests,)).start()
+
+
+class ReplicaRequest(Request):
+    """A request as the main process sees it. When the pool child running it dies, the replica stops taking
+    requests until a replacement child has loaded the model; a request lost with its child goes back to the
+    head of the queue (Celery's own requeue would put it at the back, behind requests sent after it)."""
+
+    def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrap ExceptionWithTraceback
+        if isinstance(exc, WorkerLostError):
+            _pause("its pool child was lost")
+            if self.task.acks_late and self.task.reject_on_worker_lost and _state["keeper"] is not None:
+                # Before Celery's reject, which then finds nothing left to requeue and only acknowledges. If
+                # Redis is down, Celery's reject fails too, and the lease sweep requeues it within two ticks.
+                try:
+                    _state["keeper"].lost(self)
+                except redis.RedisError as err:
+                    log.warning("cannot requeue %s now: %s", self.id, err)
+        return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def on_timeout(self, soft, timeout):
+        if not soft:  # the pool kills the child next
+            _pause("its pool child passed the hard time limit")
+        return super().on_timeout(soft, timeout)
+
+
+def _pause(why: str) -> None:
+    """In the main process: stop consuming the shared queue, before the lost request frees its prefetch slot
+    (else this replica would take a request, maybe that very one, and hold it through the reload)."""
+    if _state["consumer"] is not None:
+        log.warning("replica %s stops taking requests until its pool child has reloaded the model: %s",
+                    _state["name"], why)
+        _state["consumer"].cancel_task_queue(SETTINGS.queue)
 
 
 @signals.task_received.connect
@@ -128,11 +178,21 @@ def _load_then_consume(**_):
             "size_multiple": pipeline.size_multiple, "accepts_image": pipeline.accepts_image,
             "pid": os.getpid(), "load_s": round(time.time() - started, 3), "loaded_at": time.time()}
     _state["redis"] = outage_tolerant(SETTINGS.redis_url)
-    _state["redis"].set(REPLICA_KEY + name, json.dumps(info))
     log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
-    # The main process answers control commands from its event loop, which may not run yet: retry.
-    while not app.control.add_consumer(SETTINGS.queue, destination=[name], reply=True, timeout=1.0):
-        pass
+    # Publish what this replica serves, then ask the main process, which answers control commands from its
+    # event loop (it may not run yet), to consume the shared queue. Redis may be down or restarting: wait it
+    # out, on a fresh connection each time. Celery logs and drops an exception raised here, and the replica
+    # would never consume again (seen in a chaos run: a replica idle beside its loaded model).
+    while not _state["stopping"].value:
+        with app.connection_for_write() as conn:
+            try:
+                _state["redis"].set(REPLICA_KEY + name, json.dumps(info))
+                if app.control.add_consumer(SETTINGS.queue, destination=[name], reply=True, timeout=1.0,
+                                            connection=conn):
+                    break
+            except conn.connection_errors + conn.channel_errors + (OperationalError, OSError) as exc:
+                log.warning("replica %s: cannot reach Redis to start consuming (%r); retrying", name, exc)
+                time.sleep(1.0)
 
 
 app.steps["consumer"].add(LeaseStep)

@@ -55,13 +55,13 @@ def start_replicas(n: int, redis_url: str, name: str, **env) -> Replicas:
                     log_path=SESSION_DIR / "logs" / f"{name}.log").start(timeout=180)
 
 
-def run_client_on(url: str, requests: list[dict], concurrency: int) -> list[SimpleNamespace]:
+def run_client_on(url: str, requests: list[dict], concurrency: int, timeout: float = 60) -> list[SimpleNamespace]:
     """run_requests in a client process of its own on `url` (another DB): this process's Celery app stays on
-    the session's DB 0. Outcomes in input order."""
+    the session's DB 0. Outcomes in input order; `timeout`: seconds per request."""
     code = ("import json, sys; from client.api import run_requests; print(json.dumps([o.__dict__ for o in "
-            "run_requests(json.loads(sys.argv[1]), concurrency=int(sys.argv[2]), timeout=60)]))")
-    run = subprocess.run([sys.executable, "-c", code, json.dumps(requests), str(concurrency)],
-                         env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True, timeout=120)
+            "run_requests(json.loads(sys.argv[1]), concurrency=int(sys.argv[2]), timeout=float(sys.argv[3]))]))")
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(requests), str(concurrency), str(timeout)],
+                         env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True, timeout=timeout + 60)
     assert run.returncode == 0, run.stderr
     return sorted((SimpleNamespace(**o) for o in json.loads(run.stdout)), key=lambda o: o.index)
 
