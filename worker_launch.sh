@@ -10,6 +10,8 @@
 # DEVICES              comma-separated GPU ids, or "cpu" (default: every GPU nvidia-smi lists, else cpu)
 # GPUS_PER_REPLICA     GPUs per replica; DEVICES must hold NUM_REPLICAS * GPUS_PER_REPLICA ids (default 1)
 # THREADS_PER_REPLICA  CPU threads per replica on cpu (default: cores / NUM_REPLICAS, at least 1)
+# SHARE_GPUS           1: let DEVICES list a GPU more than once, for replicas that share it (benchmarks on one
+#                      GPU: DEVICES=0,0); each replica then holds its own copy of the model on it
 # CELERY               the celery command (default: celery)
 set -euo pipefail
 
@@ -42,7 +44,7 @@ else
   need=$(( NUM_REPLICAS * GPUS_PER_REPLICA ))
   (( ${#ids[@]} == need )) || die "DEVICES=$DEVICES lists ${#ids[@]} GPU(s); NUM_REPLICAS=$NUM_REPLICAS x GPUS_PER_REPLICA=$GPUS_PER_REPLICA needs $need"
   dupes=$(printf '%s\n' "${ids[@]}" | sort | uniq -d | paste -sd, -)
-  [[ -z $dupes ]] || die "DEVICES=$DEVICES lists GPU $dupes more than once"
+  [[ -z $dupes || ${SHARE_GPUS:-0} == 1 ]] || die "DEVICES=$DEVICES lists GPU $dupes more than once (SHARE_GPUS=1 allows it)"
 fi
 
 # Supervise one replica: run it, and when it exits on its own (a crash, an OOM kill of the main process),

@@ -42,6 +42,9 @@ class BenchConfig:
     steps: int = 30
     timeout: float = 1800.0
     label: str = ""
+    # The chip's bf16 matrix throughput, for model FLOP utilisation: an H200 measured 788 TFLOP/s here
+    # (8192^3 products). 312 for an A800/A100.
+    peak_tflops: float = 790.0
 
 
 def make_inputs(cfg: BenchConfig, count: int, seed_offset: int = 0) -> list[dict]:
@@ -78,9 +81,15 @@ def report(cfg: BenchConfig, outcomes: list[Outcome], *, replicas: int, warmup: 
     makespan = max(o.finished_at for o in outcomes) - start
     per_replica: dict[str, dict] = {}
     for o in ok:
-        r = per_replica.setdefault(o.result["replica"], {"requests": 0, "busy_s": 0.0})
+        r = per_replica.setdefault(o.result["replica"], {"requests": 0, "busy_s": 0.0, "peak_memory_gib": None})
         r["requests"] += 1
         r["busy_s"] = round(r["busy_s"] + o.result["timings"]["total_s"], 4)
+        if o.result.get("peak_memory_gib") is not None:
+            r["peak_memory_gib"] = max(r["peak_memory_gib"] or 0.0, o.result["peak_memory_gib"])
+    # The DiT's throughput over the denoising loops (text encoding and VAE decoding excluded), and its model
+    # FLOP utilisation: FLOPs from the transformer's config, over time and the chip's peak.
+    dit = [o.result for o in ok if o.result["timings"].get("dit_s") and o.result.get("dit_flops")]
+    dit_rate = sum(r["dit_flops"] for r in dit) / sum(r["timings"]["dit_s"] for r in dit) if dit else None
     models = sorted({o.result["model"] for o in ok})
     return {
         "label": cfg.label, "model": models[0] if len(models) == 1 else models, "replicas": replicas,
@@ -92,6 +101,11 @@ def report(cfg: BenchConfig, outcomes: list[Outcome], *, replicas: int, warmup: 
         "latency_s": _pct([o.latency_s for o in ok]),
         "queue_wait_s": _pct([o.result["timings"]["queued_s"] for o in ok if o.result["timings"]["queued_s"] is not None]),
         "inference_s": _pct([o.result["timings"]["inference_s"] for o in ok]),
+        "dit_s": _pct([r["timings"]["dit_s"] for r in dit]),
+        "dit_tflops_per_s": dit_rate / 1e12 if dit_rate else None,
+        # Against a GPU's peak only: a CPU's would be a number about nothing.
+        "mfu": dit_rate / (cfg.peak_tflops * 1e12) if dit_rate and all(r["device"].startswith("cuda") for r in dit)
+        else None,
         "per_replica": per_replica,
         "errors": [{"index": o.index, "seed": o.request["seed"], "error": o.error} for o in outcomes if not o.ok],
     }

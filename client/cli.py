@@ -71,9 +71,11 @@ def main():
 @click.option("--write-baseline", type=click.Path(dir_okay=False, path_type=Path), help="Record output hashes per input.")
 @click.option("--check-baseline", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Compare output hashes per input with a recorded baseline.")
+@click.option("--peak-tflops", default=790.0, show_default=True,
+              help="The chip's bf16 TFLOP/s, for the DiT's model FLOP utilisation (H200: 790 measured; A800: 312).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the report as JSON.")
 def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_prompt, size, num_frames, steps,
-          model, timeout, save_dir, label, baseline_tpm, write_baseline, check_baseline, json_out):
+          model, timeout, save_dir, label, baseline_tpm, write_baseline, check_baseline, peak_tflops, json_out):
     """Throughput benchmark (vllm-omni's bench_replica_dp protocol) with an optional isolation check."""
     if write_baseline and check_baseline:
         raise click.UsageError("--write-baseline and --check-baseline are exclusive: record first, then check")
@@ -87,7 +89,7 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
     cfg = benchmod.BenchConfig(num_requests=num_requests, concurrency=concurrency, warmup=warmup,
                                base_seed=base_seed, prompts=prompts, negative_prompt=negative_prompt,
                                width=size[0], height=size[1], num_frames=num_frames, steps=steps,
-                               timeout=timeout, label=label)
+                               timeout=timeout, label=label, peak_tflops=peak_tflops)
     rep = run_bench(cfg, model=model, save_dir=save_dir, baseline_tpm=baseline_tpm,
                     write_baseline=write_baseline, check_baseline=check_baseline)
     if json_out:
@@ -164,8 +166,12 @@ def print_report(rep: dict) -> None:
     t.add_row("latency min / max", f"{fmt(lat['min'])} / {fmt(lat['max'])} s")
     t.add_row("queue wait p50 / inference p50", f"{fmt(rep['queue_wait_s']['p50'], '.3f')} / "
                                                 f"{fmt(rep['inference_s']['p50'], '.3f')} s")
+    if rep.get("dit_tflops_per_s") is not None:
+        mfu = "" if rep["mfu"] is None else f", MFU {100 * rep['mfu']:.1f}% of {rep['config']['peak_tflops']:g}"
+        t.add_row("DiT (denoising loop) p50", f"{fmt(rep['dit_s']['p50'])} s at {rep['dit_tflops_per_s']:.2f} TFLOP/s{mfu}")
     for name, r in sorted(rep["per_replica"].items()):
-        t.add_row(f"  {name}", f"{r['requests']} requests, busy {r['busy_s']:.2f} s")
+        peak = f", peak memory {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") is not None else ""
+        t.add_row(f"  {name}", f"{r['requests']} requests, busy {r['busy_s']:.2f} s{peak}")
     if "scaling" in rep:
         t.add_row("scaling / efficiency", f"{rep['scaling']:.2f}x / {100 * rep['efficiency']:.1f}%")
     iso = rep.get("isolation")
@@ -487,3 +493,42 @@ def make_tiny_model(directory, variant):
     from replicadp_tasks.tiny_model import ensure_tiny_model
 
     console.print(f"tiny {variant} model in {ensure_tiny_model(directory, variant)}")
+
+
+@main.command("describe-model")
+@click.argument("spec")
+@click.option("--size", default="832x480", show_default=True, callback=parse_size, help="WIDTHxHEIGHT, for the FLOPs.")
+@click.option("--num-frames", default=33, show_default=True)
+@click.option("--steps", default=30, show_default=True)
+@click.option("--peak-tflops", default=790.0, show_default=True, help="The chip's bf16 TFLOP/s (H200: 790).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+def describe_model(spec, size, num_frames, steps, peak_tflops, json_out):
+    """Each component's parameter count and size, built on the meta device (nothing is allocated), and the
+    transformer's FLOPs per request. SPEC: random:ARCH (or ARCH), or tiny / tiny-wan2.1."""
+    from replicadp_tasks.architectures import ARCHITECTURES, describe, reference_flops
+    from replicadp_tasks.pipeline import RANDOM_PREFIX, TINY_SPECS
+
+    name = spec.removeprefix(RANDOM_PREFIX)
+    name = f"tiny-{TINY_SPECS[name]}" if name in TINY_SPECS else name
+    if name not in ARCHITECTURES:
+        raise click.BadParameter(f"{spec!r}: expected random:ARCH with ARCH one of {', '.join(sorted(ARCHITECTURES))}"
+                                 f", or {', '.join(TINY_SPECS)}", param_hint="SPEC")
+    rows = describe(name)
+    flops = reference_flops(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps)
+    t = Table(title=f"{name}: parameters (meta device)")
+    for col in ("component", "class", "parameters", "bf16", "served as"):
+        t.add_column(col, justify="left" if col in ("component", "class") else "right")
+    for r in rows:
+        t.add_row(r["component"], r["class"], f"{r['parameters'] / 1e9:.3f} B", f"{r['bf16_bytes'] / 2**30:.2f} GiB",
+                  f"{r['served_dtype']} {r['served_bytes'] / 2**30:.2f} GiB")
+    total = sum(r["parameters"] for r in rows)
+    t.add_row("total", "", f"{total / 1e9:.3f} B", f"{2 * total / 2**30:.2f} GiB",
+              f"{sum(r['served_bytes'] for r in rows) / 2**30:.2f} GiB")
+    console.print(t)
+    console.print(f"transformer FLOPs per request ({size[0]}x{size[1]}, {num_frames} frames, {steps} steps, guidance on): "
+                  f"{flops / 1e15:.2f} PFLOP; {flops / (peak_tflops * 1e12):.2f} s at {peak_tflops:g} TFLOP/s")
+    if json_out:
+        json_out.write_text(json.dumps({"architecture": name, "components": rows, "request": {
+            "width": size[0], "height": size[1], "num_frames": num_frames, "steps": steps, "guidance": True},
+            "dit_flops": flops, "peak_tflops": peak_tflops}, indent=1))
+        console.print(f"written to {json_out}")

@@ -11,17 +11,24 @@ import gc
 import hashlib
 import json
 import os
+import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from .architectures import ARCHITECTURES, build_pipeline, request_flops
 from .errors import ModelLoadError, OutOfMemory
 from .validate import GenerateRequest
 from .video import to_uint8
 
 TINY_SPECS = {"tiny": "wan2.2-ti2v", "tiny-wan2.1": "wan2.1-t2v"}
+# `random:ARCH` builds architecture ARCH (architectures.py) with random weights on the replica's GPU: the full
+# compute of a model whose weights cannot be downloaded here.
+RANDOM_PREFIX = "random:"
+COMPILE_MODES = ("none", "blocks", "full")
 # `synthetic:SECONDS` is a benchmark-only backend: SECONDS per request of the reference size, scaled by work.
 SYNTHETIC_PREFIX = "synthetic:"
 REFERENCE_WORK = 832 * 480 * 33 * 30  # height x width x frames x steps of the reference request
@@ -53,6 +60,15 @@ def resolve_model(spec: str, model_cache: Path) -> str:
     return spec  # a hub id: from_pretrained looks in the local cache, or downloads unless HF_HUB_OFFLINE=1
 
 
+@dataclass(frozen=True)
+class RunStats:
+    """What one request cost: the denoising loop's time (the DiT's share), its FLOPs, and peak memory."""
+
+    dit_s: float | None
+    dit_flops: int | None
+    peak_memory_gib: float | None  # CUDA: what the allocator held at most, on all the replica's GPUs; CPU: max RSS
+
+
 def describe_device(device: str) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return f"{device} (CUDA_VISIBLE_DEVICES={visible})" if device.startswith("cuda") and visible else device
@@ -61,15 +77,20 @@ def describe_device(device: str) -> str:
 class PipelineHolder:
     """Holds the loaded pipeline; `generate` runs one request on it."""
 
-    def __init__(self, spec: str, *, model_cache: Path, threads: int = 1, vae_tiling: bool = False):
+    def __init__(self, spec: str, *, model_cache: Path, threads: int = 1, vae_tiling: bool = False,
+                 attention: str = "native", compile: str = "none"):
         self.spec = spec
         self.model_cache = model_cache
         self.threads = threads
         self.vae_tiling = vae_tiling
+        self.attention = attention
+        self.compile = compile
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
+        self.devices: list[str] = ["cpu"]
         self.synthetic_s = synthetic_seconds(spec)
+        self.last_run: RunStats | None = None
 
     @property
     def size_multiple(self) -> int:
@@ -84,10 +105,12 @@ class PipelineHolder:
         return self.synthetic_s is not None or bool(self.pipe.config.get("expand_timesteps"))
 
     def load(self) -> None:
-        """Load the pipeline onto this replica's device."""
+        """Load the pipeline onto this replica's device(s)."""
         if self.synthetic_s is not None:
             self.device = "cpu (synthetic benchmark backend)"
             return
+        if self.compile not in COMPILE_MODES:
+            raise ModelLoadError(f"REPLICADP_COMPILE={self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
         import diffusers
         import torch
         import transformers
@@ -96,24 +119,39 @@ class PipelineHolder:
         # Load-time progress bars would fill the replica's log with carriage returns.
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
-        # 1. Resolve the spec to a folder or hub id (building the tiny model if it is missing).
-        source = resolve_model(self.spec, self.model_cache)
-        # 2. The device and dtypes: bf16 on CUDA with the VAE in fp32 (bf16 VAE decoding shows banding);
-        #    fp32 on CPU, with a fixed thread count so that replicas share the cores.
+        # 1. The device(s) and dtypes: bf16 on CUDA with the VAE in fp32 (bf16 VAE decoding shows banding), on
+        #    every GPU this replica sees (GPUS_PER_REPLICA); fp32 on CPU, with a fixed thread count so that
+        #    replicas share the cores.
         if torch.cuda.is_available():
+            self.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
             self.device, dtype = "cuda", torch.bfloat16
         else:
-            self.device, dtype = "cpu", torch.float32
+            self.devices, self.device, dtype = ["cpu"], "cpu", torch.float32
             torch.set_num_threads(self.threads)
-        # 3. Load with from_pretrained: the same path for a hub model, a local folder and `tiny`.
+        # 2. Random weights built on the GPU (`random:ARCH`), or from_pretrained: the same path for a hub model,
+        #    a local folder and `tiny` (built into the model cache on first use).
         try:
-            vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", dtype=torch.float32)
-            if torch.cuda.device_count() > 1:  # a replica spanning GPUS_PER_REPLICA GPUs
-                pipe = WanPipeline.from_pretrained(source, vae=vae, dtype=dtype, device_map="balanced")
+            if self.spec.startswith(RANDOM_PREFIX):
+                name = self.spec[len(RANDOM_PREFIX):]
+                if name not in ARCHITECTURES:
+                    raise ValueError(f"unknown architecture; expected random: followed by one of {sorted(ARCHITECTURES)}")
+                pipe = build_pipeline(name, device=self.devices[0], dtype=dtype)
             else:
-                pipe = WanPipeline.from_pretrained(source, vae=vae, dtype=dtype).to(self.device)
+                source = resolve_model(self.spec, self.model_cache)
+                vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", dtype=torch.float32)
+                pipe = WanPipeline.from_pretrained(source, vae=vae, dtype=dtype)
         except (OSError, ValueError, EnvironmentError) as exc:
-            raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load from {source!r}: {exc}") from exc
+            raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load: {exc}") from exc
+        place(pipe, self.devices)
+        # 3. Speed: the attention kernels, and compilation of the transformer (on the first request of a shape).
+        try:
+            pipe.transformer.set_attention_backend(self.attention)
+        except (ValueError, RuntimeError, ImportError) as exc:
+            raise ModelLoadError(f"REPLICADP_ATTENTION={self.attention!r}: {exc}") from exc
+        if self.compile == "blocks":
+            pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        elif self.compile == "full":
+            pipe.transformer.compile(fullgraph=True)
         # 4. Options that trade speed for memory.
         if self.vae_tiling:
             pipe.vae.enable_tiling()
@@ -132,18 +170,22 @@ class PipelineHolder:
 
         # 1. A CPU generator seeded per request: the noise is the same on any device and any replica.
         generator = torch.Generator("cpu").manual_seed(req.seed)
+        marks: list[float] = []  # the end of each denoising step, the GPU's work included
+
+        def callback(pipe, step, timestep, callback_kwargs):
+            self._synchronize()
+            marks.append(time.perf_counter())
+            if on_step is not None:
+                on_step(step + 1, req.num_inference_steps)
+            return callback_kwargs
+
         kwargs = dict(
             prompt=req.prompt, negative_prompt=req.negative_prompt, height=req.height, width=req.width,
             num_frames=req.num_frames, num_inference_steps=req.num_inference_steps,
             guidance_scale=req.guidance_scale, max_sequence_length=req.max_sequence_length,
-            generator=generator, output_type="np",
+            generator=generator, output_type="np", callback_on_step_end=callback,
         )
-        if on_step is not None:
-            def callback(pipe, step, timestep, callback_kwargs):
-                on_step(step + 1, req.num_inference_steps)
-                return callback_kwargs
-
-            kwargs["callback_on_step_end"] = callback
+        self._reset_peak_memory()
         # 2. Text-to-video on the resident pipeline, or image-to-video on a view sharing its weights.
         pipe = self.pipe
         if image is not None:
@@ -171,7 +213,43 @@ class PipelineHolder:
         expected = (req.num_frames, req.height, req.width, 3)
         if frames.shape != expected:
             raise RuntimeError(f"pipeline returned frames of shape {frames.shape}, expected {expected}")
+        # 5. What it cost. The first step's start is not observed: the loop time is extrapolated from the others.
+        n = len(marks)
+        dit_s = (marks[-1] - marks[0]) * n / (n - 1) if n > 1 else None
+        self.last_run = RunStats(dit_s=dit_s, dit_flops=self.dit_flops(req), peak_memory_gib=self._peak_memory_gib())
         return frames
+
+    def dit_flops(self, req: GenerateRequest) -> int:
+        """The transformer's FLOPs for `req` (see architectures.request_flops)."""
+        pipe = self.pipe
+        return request_flops(pipe.transformer.config, height=req.height, width=req.width, num_frames=req.num_frames,
+                             steps=req.num_inference_steps, guidance=req.guidance_scale > 1.0,
+                             vae_spatial=pipe.vae_scale_factor_spatial, vae_temporal=pipe.vae_scale_factor_temporal,
+                             per_token_timesteps=bool(pipe.config.get("expand_timesteps")),
+                             text_len=req.max_sequence_length)
+
+    def _synchronize(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(i)
+
+    def _reset_peak_memory(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+
+    def _peak_memory_gib(self) -> float:
+        import torch
+
+        if self.device == "cuda":
+            held = sum(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
+        else:
+            held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return round(held / 2**30, 3)
 
     def free_memory(self) -> None:
         """Give back what the last request left: Python garbage, then the CUDA caching allocator's blocks, or
@@ -204,7 +282,24 @@ class PipelineHolder:
         stream = b"".join(hashlib.sha256(seed.digest() + i.to_bytes(4, "big")).digest()
                           for i in range(req.num_frames * 3 // 32 + 1))
         colours = np.frombuffer(stream[:req.num_frames * 3], np.uint8).reshape(req.num_frames, 1, 1, 3)
+        self.last_run = RunStats(dit_s=None, dit_flops=None, peak_memory_gib=None)
         return np.ascontiguousarray(np.broadcast_to(colours, (req.num_frames, req.height, req.width, 3)))
+
+
+def place(pipe, devices: list[str]) -> None:
+    """Put the pipeline's models on `devices`. On one, all of it. Across several (GPUS_PER_REPLICA): the
+    transformer on the second GPU, the text encoder on the first, the VAE on the third if there is one, else on
+    the first; accelerate's hooks move each model's inputs to its device and its outputs back, so the pipeline's
+    own code runs unchanged (its tensors live on the first hooked model's device)."""
+    if len(devices) == 1:
+        pipe.to(devices[0])
+        return
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    where = {"text_encoder": devices[0], "transformer": devices[1], "vae": devices[2 if len(devices) > 2 else 0]}
+    for name, device in where.items():
+        module = getattr(pipe, name).to(device)
+        add_hook_to_module(module, AlignDevicesHook(execution_device=device, io_same_device=True))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -56,6 +56,8 @@ class Settings:
     result_ttl_s: int
     threads: int
     vae_tiling: bool
+    attention: str
+    compile: str
     soft_time_limit_s: int
     time_limit_s: int
     load_timeout_s: int
@@ -89,6 +91,14 @@ class Settings:
             threads=_int("REPLICADP_THREADS", 1),
             # Decoding 832x480 in tiles lowers the VAE's peak memory at some speed cost; off by default.
             vae_tiling=_bool("REPLICADP_VAE_TILING", False),
+            # diffusers' attention backend for the transformer ("native": torch's SDPA, which picks flash or
+            # cuDNN kernels itself; "_native_cudnn", "flex", "flash" with flash-attn installed, ...). The
+            # H200 comparison is scripts/gpu_check.sh's; nothing chosen there yet, so torch's own choice stays.
+            attention=os.environ.get("REPLICADP_ATTENTION", "native"),
+            # torch.compile of the transformer: "none", "blocks" (each of its 30 identical blocks, compiled once:
+            # regional compilation, seconds) or "full" (the whole forward). Compiling pays only on a GPU, once
+            # per request shape; off until an H200 run shows the gain against the compile time.
+            compile=os.environ.get("REPLICADP_COMPILE", "none"),
             # Past the soft limit the request fails cleanly with SoftTimeLimitExceeded; a 5B request is minutes.
             # 0 disables it (the hard limit then acts alone). Keep it below the hard limit: Celery arms the hard
             # timer only once the soft one has fired.

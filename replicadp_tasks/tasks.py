@@ -99,7 +99,7 @@ def compute(task, req, image, params, key, request_id, replica, fence, tok, star
 
     inference_started = time.time()
     frames = pipeline.generate(req, image, on_step=progress)
-    inferred = time.time()
+    inferred, cost = time.time(), pipeline.last_run
     video = encode_mp4(frames, req.fps)
     encoded = time.time()
     sent_at = task.request.get("replicadp_sent_at")
@@ -115,9 +115,12 @@ def compute(task, req, image, params, key, request_id, replica, fence, tok, star
         "timings": {
             "queued_s": round(started - sent_at, 4) if sent_at else None,
             "inference_s": round(inferred - inference_started, 4),
+            "dit_s": round(cost.dit_s, 4) if cost.dit_s is not None else None,  # the denoising loop's share
             "encode_s": round(encoded - inferred, 4),
             "total_s": round(time.time() - started, 4),
         },
+        "dit_flops": cost.dit_flops,
+        "peak_memory_gib": cost.peak_memory_gib,
         "execution": tok,
         "redelivered": bool(task.request.delivery_info.get("redelivered")),
     }

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -149,3 +150,17 @@ def test_worker_launch_checks_devices_against_counts(env, message):
     run = subprocess.run(["bash", str(Path(__file__).parent.parent / "worker_launch.sh")],
                          env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
     assert run.returncode == 2 and message in run.stderr
+
+
+def test_worker_launch_lets_replicas_share_a_gpu_when_asked():
+    """SHARE_GPUS=1 accepts a GPU listed twice (two replicas on one GPU, as scripts/gpu_check.sh runs them) and
+    starts both replicas on it (here `true` stands in for celery)."""
+    env = {**os.environ, "NUM_REPLICAS": "2", "DEVICES": "0,0", "SHARE_GPUS": "1", "CELERY": "true"}
+    proc = subprocess.Popen(["bash", str(Path(__file__).parent.parent / "worker_launch.sh")], env=env,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = [proc.stderr.readline() for _ in range(3)]  # restarts of `true` may come first
+        assert any("started 2 supervised replica(s) on DEVICES=0,0" in line for line in lines), lines
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -1,0 +1,222 @@
+"""Wan architectures that replicadp builds itself, with random weights: the tiny stand-ins that tests and the
+demo load, and the full-size models that GPU benchmarks run where the weights cannot be downloaded (the same
+compute as the real checkpoints: only the numbers in the weights differ). Also what each weighs, and the DiT's
+FLOPs per forward pass, from its config.
+
+torch, diffusers and transformers are imported inside the functions: a Celery main process imports this module
+and must not initialise CUDA before it forks.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+
+TEXT_LEN = 512  # tokens the pipelines pad every prompt to (max_sequence_length)
+# UMT5-xxl, the text encoder of every Wan2.1 / 2.2 model (5.7 B parameters).
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu")
+_WAN_BLOCKS = dict(patch_size=(1, 2, 2), freq_dim=256, text_dim=4096, cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, num_layers=30)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The constructor arguments of each component of one Wan pipeline."""
+
+    transformer: dict
+    vae: dict
+    text_encoder: dict = field(default_factory=lambda: dict(UMT5_XXL))  # UMT5Config; vocab None: the tokenizer's
+    flow_shift: float = 5.0  # UniPC's shift, as in the real repo's scheduler config
+    ti2v: bool = True  # Wan2.2 TI2V: per-token timesteps (expand_timesteps), and a first frame may be given
+
+
+ARCHITECTURES = {
+    # Wan2.2-TI2V-5B: the production model (transformer 5.0 B, VAE 0.7 B, UMT5-xxl 5.7 B).
+    "wan2.2-ti2v-5b": Architecture(
+        transformer=dict(_WAN_BLOCKS, num_attention_heads=24, attention_head_dim=128, ffn_dim=14336,
+                         in_channels=48, out_channels=48),
+        vae=dict(base_dim=160, decoder_base_dim=256, z_dim=48, in_channels=12, out_channels=12, is_residual=True,
+                 patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                 latents_mean=[0.0] * 48, latents_std=[1.0] * 48),
+    ),
+    # Wan2.1-T2V-1.3B: text-to-video only, Wan2.1's 16-channel VAE (its defaults).
+    "wan2.1-t2v-1.3b": Architecture(
+        transformer=dict(_WAN_BLOCKS, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960,
+                         in_channels=16, out_channels=16),
+        vae=dict(base_dim=96, z_dim=16),
+        flow_shift=3.0, ti2v=False,
+    ),
+    # The tiny stand-ins (configs from diffusers' own Wan tests): seconds per request on a CPU core.
+    "tiny-wan2.2-ti2v": Architecture(
+        transformer=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=48,
+                         out_channels=48, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                         qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
+        vae=dict(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                 latents_mean=[0.0] * 48, latents_std=[1.0] * 48, scale_factor_spatial=16, scale_factor_temporal=4,
+                 dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+        text_encoder=dict(vocab_size=None, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                          relative_attention_num_buckets=8),
+    ),
+    "tiny-wan2.1-t2v": Architecture(
+        transformer=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                         out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                         qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
+        vae=dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+        text_encoder=dict(vocab_size=None, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                          relative_attention_num_buckets=8),
+        flow_shift=3.0, ti2v=False,
+    ),
+}
+
+# Pieces for a small SentencePiece-style unigram vocab: whole words win over spelling them out letter by letter;
+# anything else falls back to <unk>. Ids stay below every model's vocab size.
+_WORDS = (
+    "a an the of in on at to with and or is are was under over near by from into"
+    " red orange yellow green blue purple pink black white gray brown gold silver"
+    " fox dog cat bird fish horse cow car boat train plane tree flower river sea"
+    " sky sun moon star cloud rain snow city street house road forest mountain"
+    " beach field park room man woman child person people robot dragon"
+    " running walking flying swimming jumping dancing sitting standing eating"
+    " slowly quickly small big large tall old young happy bright dark night day"
+    " morning evening light video camera shot close up view scene style cinematic"
+    " realistic photo painting 4k hd high quality detailed motion"
+).split()
+_LETTERS = string.ascii_letters + string.digits + string.punctuation
+
+
+def architecture(name: str) -> Architecture:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ValueError(f"unknown architecture {name!r}; expected one of {sorted(ARCHITECTURES)}") from None
+
+
+def build_tokenizer():
+    """A T5 tokenizer built from a word list, with no files (transformers 5 takes the vocab directly)."""
+    from transformers import T5Tokenizer
+
+    scores = {"<pad>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁": -2.0}
+    scores |= {f"▁{c}": -8.0 for c in _LETTERS}
+    scores |= {c: -9.0 for c in _LETTERS}
+    # A dict because "▁a" is both a word and a letter; duplicate pieces confuse Unigram ids.
+    scores |= {f"▁{w}": -5.0 for w in _WORDS}
+    # extra_ids=0: sentinel tokens are only for T5 span corruption, not prompts.
+    return T5Tokenizer(vocab=list(scores.items()), extra_ids=0)
+
+
+def build_components(arch: Architecture, tokenizer, dtype=None) -> dict:
+    """The three models of `arch`, built on the current default device (`with torch.device(...)`) in eval mode.
+    Each is seeded on its own, so its weights are the same in every process and on every build. The transformer
+    and the text encoder are cast to `dtype` (if given) as soon as each is built, so that at most one of them
+    is ever in fp32 (for the 5B model on a GPU: a peak of 36 GB rather than 46); the VAE stays fp32."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**arch.vae)
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(**arch.transformer)
+    if dtype is not None:
+        cast(transformer, dtype)
+    torch.manual_seed(0)
+    text_config = {**arch.text_encoder, "vocab_size": arch.text_encoder["vocab_size"] or len(tokenizer)}
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        **text_config, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id))
+    if dtype is not None:
+        cast(text_encoder, dtype)
+    # Fresh modules are in train mode; UMT5's dropout would make identical runs differ.
+    return {"vae": vae.eval(), "transformer": transformer.eval(), "text_encoder": text_encoder.eval()}
+
+
+def build_pipeline(name: str, device: str = "cpu", dtype=None):
+    """A diffusers WanPipeline of architecture `name` with random weights, built directly on `device` (never on
+    the meta device then `to_empty()`: Wan's rope tables are non-persistent buffers computed at construction).
+    The transformer and text encoder are cast to `dtype` (default: left fp32) as from_pretrained would, keeping
+    the modules a model lists in `_keep_in_fp32_modules`; the VAE stays fp32."""
+    import torch
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    arch = architecture(name)
+    tokenizer = build_tokenizer()
+    with torch.device(device):
+        parts = build_components(arch, tokenizer, dtype)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=arch.flow_shift)
+    return WanPipeline(tokenizer=tokenizer, scheduler=scheduler, expand_timesteps=arch.ti2v, **parts)
+
+
+def cast(model, dtype) -> None:
+    """Cast `model`'s weights to `dtype` in place, keeping in fp32 what from_pretrained(dtype=...) would: a
+    diffusers model's `_keep_in_fp32_modules` at any dtype (Wan's norms and time embedding), a transformers
+    model's only at fp16 (UMT5's `wo`), besides its `_keep_in_fp32_modules_strict`."""
+    import torch
+    from diffusers import ModelMixin
+
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if isinstance(model, ModelMixin) or dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, param in model.named_parameters():
+        if param.dtype != dtype and not keep.intersection(name.split(".")):
+            param.data = param.data.to(dtype)
+
+
+def describe(name: str) -> list[dict]:
+    """Each component's parameter count and size, from a build on the meta device (nothing allocated)."""
+    import torch
+
+    arch = architecture(name)
+    with torch.device("meta"):
+        parts = build_components(arch, build_tokenizer())
+    rows = []
+    for key in ("text_encoder", "transformer", "vae"):
+        params = sum(p.numel() for p in parts[key].parameters())
+        served = 4 if key == "vae" else 2  # the VAE decodes in fp32 (bf16 shows banding)
+        rows.append({"component": key, "class": type(parts[key]).__name__, "parameters": params,
+                     "bf16_bytes": 2 * params, "served_dtype": "fp32" if served == 4 else "bf16",
+                     "served_bytes": served * params})
+    return rows
+
+
+def dit_flops(config, tokens: int, text_len: int = TEXT_LEN, timestep_tokens: int = 1) -> int:
+    """FLOPs of one forward pass of a WanTransformer3DModel with `config`, on one sample of `tokens` video tokens
+    and `text_len` text tokens: every matrix product (2 FLOPs per multiply-add), attention included.
+    `timestep_tokens`: Wan2.2 TI2V embeds a timestep per video token (expand_timesteps), Wan2.1 one per sample.
+    Checked against torch's FlopCounterMode in tests/test_architectures.py."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    pt, ph, pw = config["patch_size"]
+    patch_in, patch_out = config["in_channels"] * pt * ph * pw, config["out_channels"] * pt * ph * pw
+    L, T = tokens, text_len
+    block = (
+        4 * L * d * d + 2 * L * L * d  # self-attention: q, k, v, out; scores and values
+        + 2 * L * d * d + 2 * T * d * d + 2 * L * T * d  # cross-attention: q, out on video; k, v on text
+        + 2 * L * d * config["ffn_dim"]  # feed-forward
+    )
+    embed = (
+        L * patch_in * d  # patch embedding (a strided conv)
+        + timestep_tokens * (config["freq_dim"] * d + d * d + d * 6 * d)  # time embedding and modulation
+        + T * (config["text_dim"] * d + d * d)  # text projection
+        + L * d * patch_out  # output projection
+    )
+    return 2 * (config["num_layers"] * block + embed)
+
+
+def request_flops(config, *, height: int, width: int, num_frames: int, steps: int, guidance: bool,
+                  vae_spatial: int, vae_temporal: int, per_token_timesteps: bool, text_len: int = TEXT_LEN) -> int:
+    """The transformer's FLOPs for one request: a forward pass per step, two with classifier-free guidance."""
+    pt, ph, pw = config["patch_size"]
+    latent_frames = (num_frames - 1) // vae_temporal + 1
+    tokens = (latent_frames // pt) * (height // vae_spatial // ph) * (width // vae_spatial // pw)
+    per_pass = dit_flops(config, tokens, text_len, timestep_tokens=tokens if per_token_timesteps else 1)
+    return per_pass * steps * (2 if guidance else 1)
+
+
+def reference_flops(name: str, *, height: int = 480, width: int = 832, num_frames: int = 33, steps: int = 30) -> int:
+    """`request_flops` of architecture `name`, by default for the reference request (guidance on)."""
+    arch = architecture(name)
+    return request_flops(arch.transformer, height=height, width=width, num_frames=num_frames, steps=steps,
+                         guidance=True, vae_spatial=arch.vae.get("scale_factor_spatial", 8),
+                         vae_temporal=arch.vae.get("scale_factor_temporal", 4), per_token_timesteps=arch.ti2v)

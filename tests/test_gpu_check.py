@@ -1,0 +1,45 @@
+"""scripts/gpu_check.sh, rehearsed on the CPU: the GPU check's whole sequence with a tiny random model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "REPLICADP_STATE_DIR=/tmp/replicadp-gpu-check."  # in the environment of everything the script starts
+
+
+def started_by_the_script() -> list[str]:
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if MARK in proc.joinpath("environ").read_bytes().decode(errors="replace"):
+                pids.append(proc.name)
+        except OSError:  # gone, or not ours
+            pass
+    return pids
+
+
+def test_gpu_check_rehearses_on_the_cpu(tmp_path):
+    """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v) the check runs end to end: the embedded server, one
+    replica recording the baseline, two replicas checked against it, the summary. It exits 0, its reports hold
+    the figures the GPU run prints (latency, videos/min, peak memory per replica, isolation), and it stops what
+    it started."""
+    out = tmp_path / "out"
+    state_dirs = set(Path("/tmp").glob("replicadp-gpu-check.*"))
+    env = {**os.environ, "DEVICE": "cpu", "MODEL": "random:tiny-wan2.2-ti2v", "SIZE": "64x64", "FRAMES": "5",
+           "STEPS": "2", "REQUESTS": "3", "OUT": str(out),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # its python3: this venv's
+    env.pop("REDIS_URL", None)
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    one, two = (json.loads((out / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["completed"] == two["completed"] == 3 and one["replicas"] == 1 and two["replicas"] == 2
+    assert two["isolation"]["passed"] and two["isolation"]["matched"] == 3
+    assert all(r["peak_memory_gib"] > 0 for r in two["per_replica"].values())
+    assert one["dit_tflops_per_s"] > 0 and one["mfu"] is None  # no MFU against a GPU's peak on a CPU
+    assert "PASS (3 matched, 0 mismatched)" in run.stdout
+    assert (out / "replicas.log").exists()
+    assert started_by_the_script() == [] and set(Path("/tmp").glob("replicadp-gpu-check.*")) == state_dirs
