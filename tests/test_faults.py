@@ -61,6 +61,19 @@ def wait_for_reload(replica: str, old_pid: int, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+def restart_redis(server, folder, down_s: float):
+    """SIGKILL the embedded server, and after `down_s` start it again on the same port from its append-only
+    file; returns the new server."""
+    from client.embedded import EmbeddedServer
+
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    time.sleep(down_s)
+    server = EmbeddedServer(folder, port=server.port, password=server.password)
+    server.start()
+    return server
+
+
 def serve_again(replicas):
     """Both replicas serve again (a killed child is replaced and reloads its model)."""
     results = [generate.delay(prompt="after", seed=s, height=64, width=64, num_frames=5, num_inference_steps=2)
@@ -303,11 +316,7 @@ def test_redis_killed_and_restarted_loses_nothing(tmp_path):
                       for k in client.keys("celery-task-meta-*")):
             assert time.monotonic() < deadline, "no request started"
             time.sleep(0.05)
-        os.kill(server.proc.pid, signal.SIGKILL)
-        server.proc.wait()
-        time.sleep(2)
-        server = EmbeddedServer(tmp_path / "redis", port=server.port, password=server.password)
-        server.start()
+        server = restart_redis(server, tmp_path / "redis", down_s=2)
         client_run.join(timeout=180)
         assert not client_run.is_alive(), "the client did not finish"
         starts = [int(client.get(ATTEMPTS_KEY + o.task_id) or 0) for o in outcomes]
@@ -369,11 +378,7 @@ def test_replacement_child_rides_out_a_redis_restart_before_its_replica_consumes
         while json.loads(client.get(REPLICA_KEY + group.names[0]))["pid"] != replacement:  # loaded; now asking
             assert time.monotonic() < deadline + 60, "the replacement child did not load"
             time.sleep(0.05)
-        os.kill(server.proc.pid, signal.SIGKILL)
-        server.proc.wait()
-        time.sleep(3)
-        server = EmbeddedServer(tmp_path / "redis", port=server.port, password=server.password)
-        server.start()
+        server = restart_redis(server, tmp_path / "redis", down_s=3)
         os.kill(main, signal.SIGCONT)
         client_run.join(timeout=240)
         assert not client_run.is_alive(), "the client did not finish"
