@@ -135,6 +135,9 @@ class PipelineHolder:
                 name = self.spec[len(RANDOM_PREFIX):]
                 if name not in ARCHITECTURES:
                     raise ValueError(f"unknown architecture; expected random: followed by one of {sorted(ARCHITECTURES)}")
+                if self.device == "cpu" and not name.startswith("tiny-"):
+                    raise ValueError("a full-size architecture is built on a GPU, and this replica has none "
+                                     "(on a CPU, use random:tiny-wan2.2-ti2v or random:tiny-wan2.1-t2v)")
                 pipe = build_pipeline(name, device=self.devices[0], dtype=dtype)
             else:
                 source = resolve_model(self.spec, self.model_cache)

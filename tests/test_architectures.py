@@ -132,11 +132,14 @@ def test_components_placed_across_devices_give_the_same_frames(tiny_model_cache)
 
 @pytest.mark.parametrize("spec, options, message", [
     ("random:wan9", {}, "REPLICADP_MODEL='random:wan9'.*wan2.2-ti2v-5b"),
+    pytest.param("random:wan2.2-ti2v-5b", {}, "REPLICADP_MODEL='random:wan2.2-ti2v-5b'.*built on a GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a valid spec on a GPU")),
     ("tiny", {"attention": "warp-drive"}, "REPLICADP_ATTENTION='warp-drive'"),
     ("tiny", {"compile": "max"}, "REPLICADP_COMPILE='max'"),
 ])
 def test_bad_model_settings_fail_the_load_naming_the_setting(tiny_model_cache, spec, options, message):
-    """A replica with a bad model spec or speed option refuses to start, naming the setting and its value."""
+    """A replica with a bad model spec or speed option refuses to start, naming the setting and its value (a
+    full-size random model on a CPU too: it would take 46 GB of fp32 weights before failing)."""
     with pytest.raises(ModelLoadError, match=message):
         holder(spec, tiny_model_cache, **options)
 
