@@ -19,6 +19,12 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
                 feed_forward_proj="gated-gelu")
 _WAN_BLOCKS = dict(patch_size=(1, 2, 2), freq_dim=256, text_dim=4096, cross_attn_norm=True,
                    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024, num_layers=30)
+# The tiny stand-ins (configs from diffusers' own Wan tests): seconds per request on a CPU core.
+_TINY_BLOCKS = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=256,
+                    ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+_TINY_VAE = dict(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+_TINY_UMT5 = dict(vocab_size=None, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                  relative_attention_num_buckets=8)
 
 
 @dataclass(frozen=True)
@@ -48,24 +54,16 @@ ARCHITECTURES = {
         vae=dict(base_dim=96, z_dim=16),
         flow_shift=3.0, ti2v=False,
     ),
-    # The tiny stand-ins (configs from diffusers' own Wan tests): seconds per request on a CPU core.
     "tiny-wan2.2-ti2v": Architecture(
-        transformer=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=48,
-                         out_channels=48, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                         qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
-        vae=dict(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
-                 latents_mean=[0.0] * 48, latents_std=[1.0] * 48, scale_factor_spatial=16, scale_factor_temporal=4,
-                 dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
-        text_encoder=dict(vocab_size=None, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-                          relative_attention_num_buckets=8),
+        transformer=dict(_TINY_BLOCKS, in_channels=48, out_channels=48),
+        vae=dict(_TINY_VAE, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                 latents_mean=[0.0] * 48, latents_std=[1.0] * 48, scale_factor_spatial=16, scale_factor_temporal=4),
+        text_encoder=_TINY_UMT5,
     ),
     "tiny-wan2.1-t2v": Architecture(
-        transformer=dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-                         out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                         qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
-        vae=dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
-        text_encoder=dict(vocab_size=None, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-                          relative_attention_num_buckets=8),
+        transformer=dict(_TINY_BLOCKS, in_channels=16, out_channels=16),
+        vae=dict(_TINY_VAE, z_dim=16),
+        text_encoder=_TINY_UMT5,
         flow_shift=3.0, ti2v=False,
     ),
 }
@@ -174,10 +172,9 @@ def describe(name: str) -> list[dict]:
     rows = []
     for key in ("text_encoder", "transformer", "vae"):
         params = sum(p.numel() for p in parts[key].parameters())
-        served = 4 if key == "vae" else 2  # the VAE decodes in fp32 (bf16 shows banding)
+        dtype, size = ("fp32", 4) if key == "vae" else ("bf16", 2)  # the VAE decodes in fp32 (bf16 shows banding)
         rows.append({"component": key, "class": type(parts[key]).__name__, "parameters": params,
-                     "bf16_bytes": 2 * params, "served_dtype": "fp32" if served == 4 else "bf16",
-                     "served_bytes": served * params})
+                     "bf16_bytes": 2 * params, "served_dtype": dtype, "served_bytes": size * params})
     return rows
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from .architectures import ARCHITECTURES, build_pipeline, request_flops
+from .architectures import architecture, build_pipeline, request_flops
 from .errors import ModelLoadError, OutOfMemory
 from .validate import GenerateRequest
 from .video import to_uint8
@@ -133,8 +133,7 @@ class PipelineHolder:
         try:
             if self.spec.startswith(RANDOM_PREFIX):
                 name = self.spec[len(RANDOM_PREFIX):]
-                if name not in ARCHITECTURES:
-                    raise ValueError(f"unknown architecture; expected random: followed by one of {sorted(ARCHITECTURES)}")
+                architecture(name)  # an unknown one: ValueError naming the choices
                 if self.device == "cpu" and not name.startswith("tiny-"):
                     raise ValueError("a full-size architecture is built on a GPU, and this replica has none "
                                      "(on a CPU, use random:tiny-wan2.2-ti2v or random:tiny-wan2.1-t2v)")
@@ -235,21 +234,21 @@ class PipelineHolder:
         import torch
 
         if self.device == "cuda":
-            for i in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(i)
+            for device in self.devices:
+                torch.cuda.synchronize(device)
 
     def _reset_peak_memory(self) -> None:
         import torch
 
         if self.device == "cuda":
-            for i in range(torch.cuda.device_count()):
-                torch.cuda.reset_peak_memory_stats(i)
+            for device in self.devices:
+                torch.cuda.reset_peak_memory_stats(device)
 
     def _peak_memory_gib(self) -> float:
         import torch
 
         if self.device == "cuda":
-            held = sum(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count()))
+            held = sum(torch.cuda.max_memory_reserved(device) for device in self.devices)
         else:
             held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         return round(held / 2**30, 3)
