@@ -2,8 +2,10 @@
 33 frames: 3510 video tokens, 512 text tokens), with random weights, for each attention backend, then with its
 blocks compiled (regional torch.compile). Prints time per pass, TFLOP/s and model FLOP utilisation; writes JSON.
 Part of scripts/gpu_check.sh; what wins here is what REPLICADP_ATTENTION / REPLICADP_COMPILE should default to.
+A variant that fails (a backend without its package, a compile error) is recorded with its error, not fatal.
 
     python3 bench/gpu_kernels.py --out gpu-kernels.json
+    python3 bench/gpu_kernels.py --device cpu --arch tiny-wan2.2-ti2v --size 64x64 --frames 5   # rehearsal
 """
 
 from __future__ import annotations
@@ -24,20 +26,30 @@ from replicadp_tasks.architectures import ARCHITECTURES, cast, dit_flops  # noqa
 BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3")
 
 
-def time_passes(model, inputs, warmup: int, passes: int) -> float:
-    """Seconds per forward pass, by CUDA events, after `warmup` passes."""
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_passes(model, inputs, device: str, warmup: int, passes: int) -> float:
+    """Seconds per forward pass after `warmup` passes (the clock read after the device has finished)."""
     import torch
 
     with torch.inference_mode():
         for _ in range(warmup):
             model(**inputs, return_dict=False)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        sync(device)
+        started = time.perf_counter()
         for _ in range(passes):
             model(**inputs, return_dict=False)
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / passes
+        sync(device)
+    return (time.perf_counter() - started) / passes
+
+
+def failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
 
 
 @click.command()
@@ -48,13 +60,19 @@ def time_passes(model, inputs, warmup: int, passes: int) -> float:
 @click.option("--peak-tflops", default=790.0, show_default=True)
 @click.option("--compile/--no-compile", "do_compile", default=True, show_default=True,
               help="Also time compiled blocks (regional compilation) with the fastest backend.")
+@click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]),
+              help="cpu only rehearses the code path (no MFU): the figures are for a GPU.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
-def main(arch, frames, size, passes, peak_tflops, do_compile, out):
+def main(arch, frames, size, passes, peak_tflops, do_compile, device, out):
     import torch
     from diffusers import WanTransformer3DModel
 
-    if not torch.cuda.is_available():
-        raise click.ClickException("no CUDA device: this measures GPU kernels")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("no CUDA device: this measures GPU kernels (--device cpu rehearses)")
+    if device == "cpu":
+        peak_tflops = None
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     width, height = (int(v) for v in size.lower().split("x"))
     a = ARCHITECTURES[arch]
     spatial, temporal = a.vae.get("scale_factor_spatial", 8), a.vae.get("scale_factor_temporal", 4)
@@ -62,13 +80,13 @@ def main(arch, frames, size, passes, peak_tflops, do_compile, out):
     tokens = latent[2] * (latent[3] // 2) * (latent[4] // 2)
     # 1. The transformer alone, random weights built on the GPU, bf16 as a replica serves it.
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = WanTransformer3DModel(**a.transformer).eval()
-    cast(model, torch.bfloat16)
+    cast(model, dtype)
     inputs = {
-        "hidden_states": torch.randn(latent, device="cuda", dtype=torch.bfloat16),
-        "timestep": torch.full((1, tokens) if a.ti2v else (1,), 500, device="cuda", dtype=torch.long),
-        "encoder_hidden_states": torch.randn(1, 512, a.transformer["text_dim"], device="cuda", dtype=torch.bfloat16),
+        "hidden_states": torch.randn(latent, device=device, dtype=dtype),
+        "timestep": torch.full((1, tokens) if a.ti2v else (1,), 500, device=device, dtype=torch.long),
+        "encoder_hidden_states": torch.randn(1, 512, a.transformer["text_dim"], device=device, dtype=dtype),
     }
     flops = dit_flops(a.transformer, tokens, 512, timestep_tokens=tokens if a.ti2v else 1)
     rows = []
@@ -76,41 +94,48 @@ def main(arch, frames, size, passes, peak_tflops, do_compile, out):
     def record(variant, seconds, note=""):
         rows.append({"variant": variant, "seconds_per_pass": seconds, "note": note,
                      "tflops_per_s": flops / seconds / 1e12 if seconds else None,
-                     "mfu": flops / seconds / (peak_tflops * 1e12) if seconds else None})
+                     "mfu": flops / seconds / (peak_tflops * 1e12) if seconds and peak_tflops else None})
 
     # 2. Each attention backend diffusers offers that can run here (flash-attn packages may be missing).
     for backend in BACKENDS:
         try:
             model.set_attention_backend(backend)
-            record(f"attention={backend}", time_passes(model, inputs, 2, passes))
+            record(f"attention={backend}", time_passes(model, inputs, device, 2, passes))
         except Exception as exc:  # a backend missing its package or refusing these shapes: report, go on
-            record(f"attention={backend}", None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            record(f"attention={backend}", None, failure(exc))
     timed = [r for r in rows if r["seconds_per_pass"]]
+    if not timed:
+        raise click.ClickException(f"no attention backend ran: {rows}")
     best = min(timed, key=lambda r: r["seconds_per_pass"])["variant"].split("=", 1)[1]
     # 3. Regional compilation with the fastest backend: the first pass pays the compile time.
+    compile_row = None
     if do_compile:
         model.set_attention_backend(best)
-        model.compile_repeated_blocks(fullgraph=True)
-        started = time.perf_counter()
-        with torch.inference_mode():
-            model(**inputs, return_dict=False)
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - started
-        record(f"attention={best} + compile=blocks", time_passes(model, inputs, 1, passes),
-               f"first pass (compiling) {compile_s:.1f} s")
+        try:
+            model.compile_repeated_blocks(fullgraph=True)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                model(**inputs, return_dict=False)
+            sync(device)
+            compile_s = time.perf_counter() - started
+            record(f"attention={best} + compile=blocks", time_passes(model, inputs, device, 1, passes),
+                   f"first pass (compiling) {compile_s:.1f} s")
+            compile_row = rows[-1] | {"compile_s": compile_s}
+        except Exception as exc:  # the uncompiled figures stand; the error says why compile=blocks can't be had
+            record(f"attention={best} + compile=blocks", None, failure(exc))
     table = Table(title=f"{arch} transformer, one forward pass: {tokens} video tokens, 512 text tokens, "
-                        f"{flops / 1e12:.1f} TFLOP ({torch.cuda.get_device_name()})")
+                        f"{flops / 1e12:.1f} TFLOP ({device_name})")
     for col in ("variant", "ms / pass", "TFLOP/s", "MFU", "note"):
         table.add_column(col)
     for r in rows:
         s = r["seconds_per_pass"]
         table.add_row(r["variant"], f"{1000 * s:.1f}" if s else "-", f"{r['tflops_per_s']:.0f}" if s else "-",
-                      f"{100 * r['mfu']:.1f}%" if s else "-", r["note"])
+                      f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-", r["note"])
     Console(width=160).print(table)
     if out:
         out.write_text(json.dumps({"arch": arch, "tokens": tokens, "flops_per_pass": flops, "peak_tflops": peak_tflops,
-                                   "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                   "fastest_backend": best, "rows": rows}, indent=1))
+                                   "device": device_name, "torch": torch.__version__,
+                                   "fastest_backend": best, "compile": compile_row, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,13 @@ export HF_HUB_OFFLINE=1
 unset REDIS_URL
 mkdir -p bench-results
 # 1. Overhead: tiny real model, plain loop against one replica, 1 thread each.
-$PY bench/overhead.py --requests 30 --rounds 3 --size 128x128 --num-frames 17 --steps 8 --out bench-results/overhead.json
-$PY bench/overhead.py --requests 12 --rounds 3 --size 256x256 --num-frames 17 --steps 8 --out bench-results/overhead-256.json
+$PY bench/overhead.py --requests 30 --rounds 5 --size 128x128 --num-frames 17 --steps 8 --out bench-results/overhead.json
+$PY bench/overhead.py --requests 12 --rounds 5 --size 256x256 --num-frames 17 --steps 8 --out bench-results/overhead-256.json
+# 1b. The serving cost alone: synthetic:0 (no compute, frames still encoded), one busy replica, 1 and 30 steps.
+for steps in 1 30; do
+  $RDP sweep --replicas 1 --model synthetic:0 --size 128x128 --num-frames 17 --steps $steps --num-requests 100 \
+    --concurrency 2 --out bench-results/serving-cost-$steps-steps
+done
 # 2. Scaling: synthetic replicas, 2 s requests (synthetic:48.75 at 128x128, 33 frames, 30 steps = 2.0 s).
 $RDP sweep --replicas 1,2,4,8 --model synthetic:48.75 --size 128x128 --num-frames 33 --steps 30 \
   --num-requests 48 --out bench-results/scaling

@@ -60,9 +60,18 @@ def lock_key(kwargs: dict, task_id: str) -> str:
 # --- in the pool child: the fence -----------------------------------------------------------------------
 
 def acquire(r: redis.Redis, key: str, tok: str, lease_s: int) -> str:
-    """Take the fence for this delivery. Returns "acquired", "held" (we already own it) or the other owner.
-    One round trip: it runs at every denoising step."""
+    """Take the fence for this delivery. Returns "acquired", "held" (we already own it) or the other owner."""
     return r.eval(_ACQUIRE, 1, key, tok, lease_s * 1000).decode()
+
+
+def acquire_unless(r: redis.Redis, key: str, tok: str, lease_s: int, cancel_key: str) -> str:
+    """"cancelled" if `cancel_key` exists, else what acquire() returns. One round trip: it runs at every
+    denoising step."""
+    pipe = r.pipeline(transaction=False)
+    pipe.exists(cancel_key)
+    pipe.eval(_ACQUIRE, 1, key, tok, lease_s * 1000)
+    cancelled, owner = pipe.execute()
+    return "cancelled" if cancelled else owner.decode()
 
 
 def release(r: redis.Redis, key: str, tok: str) -> None:

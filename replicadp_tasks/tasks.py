@@ -18,6 +18,9 @@ from .video import encode_mp4, frames_sha256
 
 log = logging.getLogger("replicadp")
 FENCE_POLL_S = 0.5  # how often a delivery waiting on another's fence looks for its result
+# PROGRESS at most this often (the first step always): each is a read and a write of the result key, ~2 ms on a
+# small machine, and a GPU step takes ~0.2 s; a person, `status` and `health` need no more than this.
+PROGRESS_EVERY_S = 0.5
 
 
 @app.task(name="replicadp.generate", bind=True, Request="replicadp_tasks.worker:ReplicaRequest")
@@ -84,18 +87,22 @@ def compute(task, req, image, params, key, request_id, replica, fence, tok, star
     """Run the pipeline, encode, store; the result's metadata."""
     pipeline, store, r = worker.holder(), worker.store(), worker.redis_client()
 
+    reported = [0.0]  # when PROGRESS was last written
+
     def progress(step, total):
-        if worker.cancelled(task.request.id):
-            raise RequestCancelled(f"request {task.request.id} was cancelled at step {step} of {total}")
-        # Still ours? A Redis restart may have expired the fence (take it again); if another delivery holds
-        # it, this one was presumed dead: stop computing, and requeue rather than ack (the shared delivery
+        # Cancelled? Still ours? A Redis restart may have expired the fence (take it again); if another delivery
+        # holds it, this one was presumed dead: stop computing, and requeue rather than ack (the shared delivery
         # tag would otherwise acknowledge the other's message).
-        owner = lease.acquire(r, fence, tok, SETTINGS.lease_s)
+        owner = lease.acquire_unless(r, fence, tok, SETTINGS.lease_s, worker.CANCEL_KEY + task.request.id)
+        if owner == "cancelled":
+            raise RequestCancelled(f"request {task.request.id} was cancelled at step {step} of {total}")
         if owner not in ("acquired", "held"):
             log.error("request %s: fence taken by %s; this delivery stops and its process exits", request_id, owner)
             os._exit(75)
-        task.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
-                                                   "request_id": request_id, "pid": os.getpid()})
+        if time.monotonic() - reported[0] >= PROGRESS_EVERY_S:
+            reported[0] = time.monotonic()
+            task.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
+                                                       "request_id": request_id, "pid": os.getpid()})
 
     inference_started = time.time()
     frames = pipeline.generate(req, image, on_step=progress)

@@ -3,7 +3,8 @@
 # remote GPU machine (Python 3.12.3, no internet) lacks, so the repo can run there. Everything else the
 # repo needs there (torch, transformers, accelerate, huggingface_hub, numpy, pillow, click, rich, requests,
 # packaging, python-dateutil, zipp, ...) is already installed on that machine: see the list "Python
-# packages already there" in the device notes (KINDS.md). Run here (needs PyPI); idempotent.
+# packages already there" in the device notes (KINDS.md). Click is not carried: celery needs click>=8.3.1, and
+# the machine's huggingface_hub 1.33.0 already requires click>=8.4.2. Run here (needs PyPI); idempotent.
 #
 # On the device, from the repo root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD

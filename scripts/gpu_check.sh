@@ -2,6 +2,8 @@
 # The GPU check (issue #9), one command on one GPU, about 6 minutes on an H200 (budget: 8):
 #   1. installs the carried wheels (.whl/, made here by scripts/fetch_wheels.sh) if the machine lacks them;
 #   2. times one transformer forward pass per attention backend, and with compiled blocks (bench/gpu_kernels.py);
+#      the replicas below use the fastest backend unless REPLICADP_ATTENTION is set (a failure here is reported,
+#      and the check goes on with the default backend);
 #   3. starts the embedded server and ONE replica on random:wan2.2-ti2v-5b (the full-size model, random weights
 #      built on the GPU), and runs the bench at the reference workload (832x480, 33 frames, 30 steps, guidance
 #      on; 8 requests after 1 warm-up) one request at a time, recording each input's output as the baseline;
@@ -13,7 +15,7 @@
 #   scripts/gpu_check.sh                          # on the GPU machine, from the repo root
 #   MODEL=random:wan2.1-t2v-1.3b REQUESTS=4 scripts/gpu_check.sh
 #   DEVICE=cpu MODEL=random:tiny-wan2.2-ti2v SIZE=64x64 FRAMES=5 STEPS=2 REQUESTS=2 scripts/gpu_check.sh
-#                                                 # its CPU rehearsal (tests/test_gpu_check.py): no kernels step
+#                                                 # its CPU rehearsal (tests/test_gpu_check.py)
 #
 # Speed options reach the replicas from the environment (REPLICADP_ATTENTION, REPLICADP_COMPILE; README).
 # Exit status: 0 all requests succeeded and isolation passed; 1 otherwise; 2 no GPU.
@@ -47,27 +49,42 @@ export REPLICADP_STATE_DIR=$(mktemp -d /tmp/replicadp-gpu-check.XXXXXX)
 cleanup() { replicadp down >/dev/null 2>&1 || true; cp "$REPLICADP_STATE_DIR"/run/replicas.log "$OUT"/ 2>/dev/null || true; rm -rf "$REPLICADP_STATE_DIR"; }
 trap cleanup EXIT
 
-# 2. Kernels.
-[[ $DEVICE == cpu ]] || python3 bench/gpu_kernels.py --out "$OUT/kernels.json"
+phase() { echo; echo "gpu_check [$((SECONDS / 60))m$((SECONDS % 60))s] $*"; }  # where the time went, if cut short
+status=0
+
+# 2. Kernels: the transformer of MODEL's architecture (random:ARCH), else of Wan2.2-TI2V-5B.
+phase "kernels"
+arch=wan2.2-ti2v-5b; [[ $MODEL != random:* ]] || arch=${MODEL#random:}
+if python3 bench/gpu_kernels.py --device "$([[ $DEVICE == cpu ]] && echo cpu || echo cuda)" --arch "$arch" \
+    --size "$SIZE" --frames "$FRAMES" --out "$OUT/kernels.json"; then
+  fastest=$(python3 -c "import json; print(json.load(open('$OUT/kernels.json'))['fastest_backend'])")
+  export REPLICADP_ATTENTION=${REPLICADP_ATTENTION:-$fastest}
+else
+  echo "gpu_check: the kernels step failed (above); the replicas use the default attention backend" >&2
+  status=1
+fi
+echo "replicas: REPLICADP_ATTENTION=${REPLICADP_ATTENTION:-native (default)} REPLICADP_COMPILE=${REPLICADP_COMPILE:-none (default)}"
 
 # On the CPU both runs must use the same thread count (float sums differ with it; the isolation check compares).
 cpu_opts=(); [[ $DEVICE != cpu ]] || cpu_opts=(--threads 1)
 BENCH=(bench --num-requests "$REQUESTS" --size "$SIZE" --num-frames "$FRAMES" --steps "$STEPS" --model "$MODEL" --timeout 600)
 # 3. One replica, one request at a time: the baseline.
+phase "one replica"
 replicadp up --replicas 1 --devices "$DEVICE" "${cpu_opts[@]}" --model "$MODEL" --timeout 600
-status=0
 replicadp "${BENCH[@]}" --concurrency 1 --warmup 1 --label "1 replica" --write-baseline "$OUT/baseline.json" \
   --json "$OUT/one.json" || status=1
 replicadp down
 # 4. Two replicas sharing the GPU, two requests at a time, checked against the baseline.
 tpm=$(python3 -c "import json; print(json.load(open('$OUT/one.json'))['videos_per_min'])")
 if [[ $DEVICE == cpu ]]; then both=cpu; else both=$DEVICE,$DEVICE; fi
+phase "two replicas"
 SHARE_GPUS=1 replicadp up --replicas 2 --devices "$both" "${cpu_opts[@]}" --model "$MODEL" --timeout 600
 replicadp "${BENCH[@]}" --concurrency 2 --warmup 2 --label "2 replicas, one GPU" --baseline-tpm "$tpm" \
   --check-baseline "$OUT/baseline.json" --json "$OUT/two.json" || status=1
 replicadp down
 
 # 5. The figures side by side.
+phase "done"
 python3 - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -75,8 +92,16 @@ out = Path(sys.argv[1])
 if (out / "kernels.json").exists():
     kernels = json.loads((out / "kernels.json").read_text())
     print(f"\nGPU check: {kernels['device']}, torch {kernels['torch']}; fastest attention backend: {kernels['fastest_backend']}")
+    if kernels["compile"]:
+        plain = next(r for r in kernels["rows"] if r["variant"] == f"attention={kernels['fastest_backend']}")
+        c = kernels["compile"]
+        print(f"compiled blocks: {1000 * plain['seconds_per_pass']:.1f} -> {1000 * c['seconds_per_pass']:.1f} ms "
+              f"per transformer pass, after {c['compile_s']:.0f} s compiling")
 print(f"{'run':<22}{'p50 latency':>13}{'videos/min':>12}{'DiT MFU':>9}{'peak GiB/replica':>18}  isolation")
 for name in ("one", "two"):
+    if not (out / f"{name}.json").exists():  # its bench failed: the error is above
+        print(f"{name}: no report")
+        continue
     rep = json.loads((out / f"{name}.json").read_text())
     peaks = ", ".join(f"{r['peak_memory_gib']:.1f}" for r in rep["per_replica"].values() if r.get("peak_memory_gib"))
     iso = rep.get("isolation", {})

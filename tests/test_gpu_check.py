@@ -22,19 +22,27 @@ def started_by_the_script() -> list[str]:
 
 
 def test_gpu_check_rehearses_on_the_cpu(tmp_path):
-    """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v) the check runs end to end: the embedded server, one
-    replica recording the baseline, two replicas checked against it, the summary. It exits 0, its reports hold
-    the figures the GPU run prints (latency, videos/min, peak memory per replica, isolation), and it stops what
-    it started."""
+    """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v) the check runs end to end: the kernels step (each
+    attention backend, then compiled blocks), the embedded server, one replica recording the baseline, two
+    replicas checked against it, the summary. It exits 0, the replicas use the fastest backend the kernels step
+    found, its reports hold the figures the GPU run prints (latency, videos/min, peak memory per replica,
+    isolation), and it stops what it started."""
     out = tmp_path / "out"
     state_dirs = set(Path("/tmp").glob("replicadp-gpu-check.*"))
     env = {**os.environ, "DEVICE": "cpu", "MODEL": "random:tiny-wan2.2-ti2v", "SIZE": "64x64", "FRAMES": "5",
            "STEPS": "2", "REQUESTS": "3", "OUT": str(out),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # its python3: this venv's
-    env.pop("REDIS_URL", None)
+    for name in ("REDIS_URL", "REPLICADP_ATTENTION", "REPLICADP_COMPILE"):
+        env.pop(name, None)
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    kernels = json.loads((out / "kernels.json").read_text())
+    ran = {r["variant"].split("=", 1)[1] for r in kernels["rows"] if r["seconds_per_pass"]}
+    assert "native" in ran and kernels["fastest_backend"] in ran
+    assert any(r["note"].startswith("RuntimeError") for r in kernels["rows"])  # flash-attn is not installed here
+    assert kernels["compile"]["seconds_per_pass"] > 0 and kernels["compile"]["compile_s"] > 0
+    assert f"replicas: REPLICADP_ATTENTION={kernels['fastest_backend']} " in run.stdout
     one, two = (json.loads((out / f"{n}.json").read_text()) for n in ("one", "two"))
     assert one["completed"] == two["completed"] == 3 and one["replicas"] == 1 and two["replicas"] == 2
     assert two["isolation"]["passed"] and two["isolation"]["matched"] == 3

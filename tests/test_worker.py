@@ -9,6 +9,7 @@ from celery.result import AsyncResult
 from client.api import fetch_video, live_replicas, run_requests
 from replicadp_tasks import app, generate
 from replicadp_tasks.errors import InvalidRequest, RequestIdConflict
+from replicadp_tasks.tasks import PROGRESS_EVERY_S
 from replicadp_tasks.video import decode_mp4, frames_sha256
 
 SMALL = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 4}
@@ -56,21 +57,25 @@ def test_mp4_decodes_to_the_asked_frames_and_size(replicas):
     assert meta["params"]["height"] == 64 and meta["params"]["width"] == 96
 
 
-def test_progress_is_reported_per_denoising_step(replicas):
-    """While a request runs, AsyncResult(id).info reports PROGRESS with step, total_steps and replica."""
+def test_progress_is_reported_while_denoising(replicas):
+    """While a request runs, AsyncResult(id).info reports PROGRESS with step, total_steps and replica: the first
+    step at once, then at most every PROGRESS_EVERY_S (not a Redis write per step)."""
     result = generate.delay(prompt="a hummingbird", seed=5, height=128, width=128, num_frames=17,
                             num_inference_steps=24)
-    seen = []
+    seen, first, last = [], None, None
     while not result.ready():
         meta = app.backend.get_task_meta(result.id)  # state and info read together, not one after the other
         if meta["status"] == "PROGRESS":
             seen.append(meta["result"])
+            first, last = first or time.monotonic(), time.monotonic()
         time.sleep(0.005)
     assert result.successful()
     assert seen, "no PROGRESS state observed"
     assert all(s["total_steps"] == 24 and s["replica"] in replicas.names for s in seen)
     steps = [s["step"] for s in seen]
-    assert steps == sorted(steps) and 1 <= steps[0] and steps[-1] <= 24
+    assert steps == sorted(steps) and steps[0] == 1 and steps[-1] <= 24
+    reports = len(set(steps))
+    assert reports <= (last - first) / PROGRESS_EVERY_S + 2, f"{reports} PROGRESS writes in {last - first:.2f} s"
 
 
 @pytest.mark.parametrize("bad, message", [
