@@ -90,11 +90,18 @@ def main(arch, frames, size, passes, peak_tflops, do_compile, device, out):
     }
     flops = dit_flops(a.transformer, tokens, 512, timestep_tokens=tokens if a.ti2v else 1)
     rows = []
+    report = {"arch": arch, "tokens": tokens, "flops_per_pass": flops, "peak_tflops": peak_tflops,
+              "device": device_name, "torch": torch.__version__, "fastest_backend": None, "compile": None,
+              "rows": rows}
 
     def record(variant, seconds, note=""):
+        """One variant's figures, printed and saved at once: a run cut short keeps what it measured."""
         rows.append({"variant": variant, "seconds_per_pass": seconds, "note": note,
                      "tflops_per_s": flops / seconds / 1e12 if seconds else None,
                      "mfu": flops / seconds / (peak_tflops * 1e12) if seconds and peak_tflops else None})
+        print(f"{variant}: " + (f"{1000 * seconds:.1f} ms/pass" if seconds else note), flush=True)
+        if out:
+            out.write_text(json.dumps(report, indent=1))
 
     # 2. Each attention backend diffusers offers that can run here (flash-attn packages may be missing).
     for backend in BACKENDS:
@@ -106,9 +113,8 @@ def main(arch, frames, size, passes, peak_tflops, do_compile, device, out):
     timed = [r for r in rows if r["seconds_per_pass"]]
     if not timed:
         raise click.ClickException(f"no attention backend ran: {rows}")
-    best = min(timed, key=lambda r: r["seconds_per_pass"])["variant"].split("=", 1)[1]
+    best = report["fastest_backend"] = min(timed, key=lambda r: r["seconds_per_pass"])["variant"].split("=", 1)[1]
     # 3. Regional compilation with the fastest backend: the first pass pays the compile time.
-    compile_row = None
     if do_compile:
         model.set_attention_backend(best)
         try:
@@ -120,7 +126,7 @@ def main(arch, frames, size, passes, peak_tflops, do_compile, device, out):
             compile_s = time.perf_counter() - started
             record(f"attention={best} + compile=blocks", time_passes(model, inputs, device, 1, passes),
                    f"first pass (compiling) {compile_s:.1f} s")
-            compile_row = rows[-1] | {"compile_s": compile_s}
+            report["compile"] = rows[-1] | {"compile_s": compile_s}
         except Exception as exc:  # the uncompiled figures stand; the error says why compile=blocks can't be had
             record(f"attention={best} + compile=blocks", None, failure(exc))
     table = Table(title=f"{arch} transformer, one forward pass: {tokens} video tokens, 512 text tokens, "
@@ -133,9 +139,7 @@ def main(arch, frames, size, passes, peak_tflops, do_compile, device, out):
                       f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-", r["note"])
     Console(width=160).print(table)
     if out:
-        out.write_text(json.dumps({"arch": arch, "tokens": tokens, "flops_per_pass": flops, "peak_tflops": peak_tflops,
-                                   "device": device_name, "torch": torch.__version__,
-                                   "fastest_backend": best, "compile": compile_row, "rows": rows}, indent=1))
+        out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

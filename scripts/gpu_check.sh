@@ -2,8 +2,8 @@
 # The GPU check (issue #9), one command on one GPU, about 6 minutes on an H200 (budget: 8):
 #   1. installs the carried wheels (.whl/, made here by scripts/fetch_wheels.sh) if the machine lacks them;
 #   2. times one transformer forward pass per attention backend, and with compiled blocks (bench/gpu_kernels.py);
-#      the replicas below use the fastest backend unless REPLICADP_ATTENTION is set (a failure here is reported,
-#      and the check goes on with the default backend);
+#      the replicas below use the fastest backend unless REPLICADP_ATTENTION is set (a failure here, or a run
+#      past KERNELS_TIMEOUT seconds (240), is reported, and the check goes on with the default backend);
 #   3. starts the embedded server and ONE replica on random:wan2.2-ti2v-5b (the full-size model, random weights
 #      built on the GPU), and runs the bench at the reference workload (832x480, 33 frames, 30 steps, guidance
 #      on; 8 requests after 1 warm-up) one request at a time, recording each input's output as the baseline;
@@ -55,12 +55,14 @@ status=0
 # 2. Kernels: the transformer of MODEL's architecture (random:ARCH), else of Wan2.2-TI2V-5B.
 phase "kernels"
 arch=wan2.2-ti2v-5b; [[ $MODEL != random:* ]] || arch=${MODEL#random:}
-if python3 bench/gpu_kernels.py --device "$([[ $DEVICE == cpu ]] && echo cpu || echo cuda)" --arch "$arch" \
+# Bounded: a compile that runs away must not eat the replicas' time (the device lends 10 minutes a command).
+if timeout "${KERNELS_TIMEOUT:-240}" python3 bench/gpu_kernels.py --device "$([[ $DEVICE == cpu ]] && echo cpu || echo cuda)" --arch "$arch" \
     --size "$SIZE" --frames "$FRAMES" --out "$OUT/kernels.json"; then
   fastest=$(python3 -c "import json; print(json.load(open('$OUT/kernels.json'))['fastest_backend'])")
   export REPLICADP_ATTENTION=${REPLICADP_ATTENTION:-$fastest}
 else
-  echo "gpu_check: the kernels step failed (above); the replicas use the default attention backend" >&2
+  echo "gpu_check: the kernels step failed or ran past ${KERNELS_TIMEOUT:-240} s (above); the replicas use the" \
+    "default attention backend" >&2
   status=1
 fi
 echo "replicas: REPLICADP_ATTENTION=${REPLICADP_ATTENTION:-native (default)} REPLICADP_COMPILE=${REPLICADP_COMPILE:-none (default)}"
@@ -91,7 +93,8 @@ from pathlib import Path
 out = Path(sys.argv[1])
 if (out / "kernels.json").exists():
     kernels = json.loads((out / "kernels.json").read_text())
-    print(f"\nGPU check: {kernels['device']}, torch {kernels['torch']}; fastest attention backend: {kernels['fastest_backend']}")
+    print(f"\nGPU check: {kernels['device']}, torch {kernels['torch']}; fastest attention backend: {kernels['fastest_backend']}"
+          f"{'' if kernels['fastest_backend'] else ' (kernels step cut short)'}")
     if kernels["compile"]:
         plain = next(r for r in kernels["rows"] if r["variant"] == f"attention={kernels['fastest_backend']}")
         c = kernels["compile"]

@@ -97,9 +97,12 @@ def test_killed_pool_child_requeues_its_request(replicas):
     assert meta["params"]["seed"] == 9 and len(meta["frames_sha256"]) == 64
     assert meta["replica"] != replica
     assert recovered < 5
-    wait_for_reload(replica, pid)
-    queues = app.control.inspect(destination=[replica], timeout=5).active_queues()[replica]
-    assert SETTINGS.queue in {q["name"] for q in queues}
+    wait_for_reload(replica, pid)  # loaded: it now asks its main process to consume, which takes a moment
+    deadline = time.monotonic() + 30
+    while SETTINGS.queue not in {q["name"] for q in (app.control.inspect(destination=[replica], timeout=5)
+                                                     .active_queues() or {}).get(replica, [])}:
+        assert time.monotonic() < deadline, f"{replica} reloaded but does not consume {SETTINGS.queue}"
+        time.sleep(0.2)
     serve_again(replicas)
 
 
