@@ -21,7 +21,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from replicadp_tasks.architectures import ARCHITECTURES, cast, dit_flops  # noqa: E402
+from replicadp_tasks.architectures import ARCHITECTURES, PEAK_TFLOPS, cast, dit_flops  # noqa: E402
 
 BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3")
 
@@ -57,7 +57,7 @@ def failure(exc: Exception) -> str:
 @click.option("--frames", default=33, show_default=True)
 @click.option("--size", default="832x480", show_default=True, help="WIDTHxHEIGHT")
 @click.option("--passes", default=5, show_default=True, help="Timed passes per variant.")
-@click.option("--peak-tflops", default=790.0, show_default=True)
+@click.option("--peak-tflops", default=PEAK_TFLOPS, show_default=True)
 @click.option("--compile/--no-compile", "do_compile", default=True, show_default=True,
               help="Also time compiled blocks (regional compilation) with the fastest backend.")
 @click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]),

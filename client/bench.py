@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from replicadp_tasks.architectures import PEAK_TFLOPS
+
 from .api import Outcome, fetch_video, run_requests
 
 PROMPTS = (
@@ -42,9 +44,7 @@ class BenchConfig:
     steps: int = 30
     timeout: float = 1800.0
     label: str = ""
-    # The chip's bf16 matrix throughput, for model FLOP utilisation: an H200 measured 788 TFLOP/s here
-    # (8192^3 products). 312 for an A800/A100.
-    peak_tflops: float = 790.0
+    peak_tflops: float = PEAK_TFLOPS  # the chip's bf16 matrix throughput, for model FLOP utilisation
 
 
 def make_inputs(cfg: BenchConfig, count: int, seed_offset: int = 0) -> list[dict]:

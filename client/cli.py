@@ -15,6 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from replicadp_tasks.architectures import PEAK_TFLOPS
+
 from . import bench as benchmod
 from .api import ClientError, check_redis, live_replicas
 from .health import REPLY_TIMEOUT_S as HEALTH_REPLY_TIMEOUT_S
@@ -71,7 +73,7 @@ def main():
 @click.option("--write-baseline", type=click.Path(dir_okay=False, path_type=Path), help="Record output hashes per input.")
 @click.option("--check-baseline", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Compare output hashes per input with a recorded baseline.")
-@click.option("--peak-tflops", default=790.0, show_default=True,
+@click.option("--peak-tflops", default=PEAK_TFLOPS, show_default=True,
               help="The chip's bf16 TFLOP/s, for the DiT's model FLOP utilisation (H200: 790 measured; A800: 312).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the report as JSON.")
 def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_prompt, size, num_frames, steps,
@@ -500,7 +502,7 @@ def make_tiny_model(directory, variant):
 @click.option("--size", default="832x480", show_default=True, callback=parse_size, help="WIDTHxHEIGHT, for the FLOPs.")
 @click.option("--num-frames", default=33, show_default=True)
 @click.option("--steps", default=30, show_default=True)
-@click.option("--peak-tflops", default=790.0, show_default=True, help="The chip's bf16 TFLOP/s (H200: 790).")
+@click.option("--peak-tflops", default=PEAK_TFLOPS, show_default=True, help="The chip's bf16 TFLOP/s (H200: 790).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
 def describe_model(spec, size, num_frames, steps, peak_tflops, json_out):
     """Each component's parameter count and size, built on the meta device (nothing is allocated), and the

@@ -13,6 +13,9 @@ import string
 from dataclasses import dataclass, field
 
 TEXT_LEN = 512  # tokens the pipelines pad every prompt to (max_sequence_length)
+# The chip whose model FLOP utilisation reports give by default: an H200's bf16 matrix throughput, measured on
+# the lent machine (8192^3 products: 788 TFLOP/s). An A800/A100's is 312.
+PEAK_TFLOPS = 790.0
 # UMT5-xxl, the text encoder of every Wan2.1 / 2.2 model (5.7 B parameters).
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 relative_attention_num_buckets=32, relative_attention_max_distance=128,

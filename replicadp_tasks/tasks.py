@@ -87,9 +87,10 @@ def compute(task, req, image, params, key, request_id, replica, fence, tok, star
     """Run the pipeline, encode, store; the result's metadata."""
     pipeline, store, r = worker.holder(), worker.store(), worker.redis_client()
 
-    reported = [0.0]  # when PROGRESS was last written
+    reported = 0.0  # when PROGRESS was last written
 
     def progress(step, total):
+        nonlocal reported
         # Cancelled? Still ours? A Redis restart may have expired the fence (take it again); if another delivery
         # holds it, this one was presumed dead: stop computing, and requeue rather than ack (the shared delivery
         # tag would otherwise acknowledge the other's message).
@@ -99,8 +100,8 @@ def compute(task, req, image, params, key, request_id, replica, fence, tok, star
         if owner not in ("acquired", "held"):
             log.error("request %s: fence taken by %s; this delivery stops and its process exits", request_id, owner)
             os._exit(75)
-        if time.monotonic() - reported[0] >= PROGRESS_EVERY_S:
-            reported[0] = time.monotonic()
+        if time.monotonic() - reported >= PROGRESS_EVERY_S:
+            reported = time.monotonic()
             task.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
                                                        "request_id": request_id, "pid": os.getpid()})
 
