@@ -20,6 +20,10 @@ os.environ["REPLICADP_STATE_DIR"] = str(SESSION_DIR / "state")
 os.environ["REPLICADP_MODEL_CACHE"] = str(SESSION_DIR / "models")
 os.environ["OUTPUT_DIR"] = str(SESSION_DIR / "outputs")
 os.environ.pop("REDIS_URL", None)
+# The temp files of every process the tests start, too: Celery's prefork pool keeps a pymp-* folder per replica,
+# which a replica SIGKILLed by a fault test cannot remove. (This process's own tempdir, read above, stays.)
+(SESSION_DIR / "tmp").mkdir()
+os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
 
 import pytest  # noqa: E402
 
