@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import determinism
 from .architectures import architecture, build_pipeline, request_flops
 from .errors import ModelLoadError, OutOfMemory
 from .validate import GenerateRequest
@@ -78,13 +79,14 @@ class PipelineHolder:
     """Holds the loaded pipeline; `generate` runs one request on it."""
 
     def __init__(self, spec: str, *, model_cache: Path, threads: int = 1, vae_tiling: bool = False,
-                 attention: str = "native", compile: str = "none"):
+                 attention: str = "native", compile: str = "none", deterministic: bool = True):
         self.spec = spec
         self.model_cache = model_cache
         self.threads = threads
         self.vae_tiling = vae_tiling
         self.attention = attention
         self.compile = compile
+        self.deterministic = deterministic
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
@@ -111,6 +113,8 @@ class PipelineHolder:
             return
         if self.compile not in COMPILE_MODES:
             raise ModelLoadError(f"REPLICADP_COMPILE={self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
+        if self.deterministic:
+            determinism.set_environment()  # before torch starts MKL and cuBLAS
         import diffusers
         import torch
         import transformers
@@ -119,6 +123,8 @@ class PipelineHolder:
         # Load-time progress bars would fill the replica's log with carriage returns.
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
+        if self.deterministic:
+            determinism.set_torch()
         # 1. The device(s) and dtypes: bf16 on CUDA with the VAE in fp32 (bf16 VAE decoding shows banding), on
         #    every GPU this replica sees (GPUS_PER_REPLICA); fp32 on CPU, with a fixed thread count so that
         #    replicas share the cores.

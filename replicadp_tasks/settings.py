@@ -58,6 +58,7 @@ class Settings:
     vae_tiling: bool
     attention: str
     compile: str
+    deterministic: bool
     soft_time_limit_s: int
     time_limit_s: int
     load_timeout_s: int
@@ -99,6 +100,9 @@ class Settings:
             # regional compilation, seconds) or "full" (the whole forward). Compiling pays only on a GPU, once
             # per request shape; off until an H200 run shows the gain against the compile time.
             compile=os.environ.get("REPLICADP_COMPILE", "none"),
+            # The same input gives the same frames in every replica (determinism.py): the isolation check needs
+            # it. 0 trades that for the libraries' fastest kernels (gpu_check.sh measures the difference).
+            deterministic=_bool("REPLICADP_DETERMINISTIC", True),
             # Past the soft limit the request fails cleanly with SoftTimeLimitExceeded; a 5B request is minutes.
             # 0 disables it (the hard limit then acts alone). Keep it below the hard limit: Celery arms the hard
             # timer only once the soft one has fired.

@@ -1,20 +1,36 @@
 """Frames to identities and MP4 bytes.
 
 The decoded frames are the primary identity of an output (`frames_sha256`); the MP4 bytes are the second
-(`video_sha256`), encoded bit-exact so that the same frames give the same bytes on any machine.
+(`video_sha256`), encoded bit-exact: the same frames give the same bytes in any process, from any buffer.
+
+Why libx264 runs without its AVX-512 code: on a CPU with AVX-512, x264 uses AVX-512 versions of its
+macroblock-tree routines, and at widths that are not a multiple of 128 pixels (a row of 8 lowres macroblocks)
+these read heap memory that x264 allocated and never wrote. Those values feed the rate control, so the bytes
+depend on what the heap held before: in a replica, where torch's large frees have raised glibc's mmap
+threshold, a previous request's data. One encoder thread and `+bitexact` do not change that.
+
+Why the fix holds: x264 keeps its settings and its own CPU detection, less the AVX-512 flag, and its AVX2 code
+reads only what it wrote (valgrind's memcheck, which can follow AVX2, finds nothing in libx264; with glibc's
+MALLOC_PERTURB_ filling new heap blocks with any byte, the bytes stay the same, tests/test_isolation.py). An
+AVX-512 machine then writes what x264 writes on an AVX2 one. Where libx264 is no shared library this process
+can find, `mbtree=0` turns the macroblock tree off instead: as reproducible, larger files at the same CRF.
+Measurements: docs/reliability.md (isolation) and docs/benchmarks.md (figure 7).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import io
 
 import numpy as np
 
+X264_CPU_AVX512 = 1 << 16  # x264.h: the flag that selects x264's AVX-512 routines
 # In-process libx264 through PyAV: no ffmpeg process to spawn per request (measured: 15 ms instead of 63 ms
 # for 128x128x33 frames, 232 ms instead of 330 ms for 832x480x33). One encoder thread and a bitexact muxer:
 # libx264 writes its thread count into the stream, and the muxer would write its version.
-_X264 = {"crf": "18", "preset": "veryfast", "threads": "1", "x264-params": "threads=1"}
+_X264 = {"crf": "18", "preset": "veryfast", "threads": "1"}
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
@@ -30,13 +46,37 @@ def frames_sha256(frames: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def loaded_library(name: str) -> str | None:
+    """The path of a shared library this process has loaded whose file name starts with `name`, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:  # not Linux
+        return None
+    return next((p for p in sorted(paths) if p.rsplit("/", 1)[-1].startswith(name)), None)
+
+
+@functools.cache
+def x264_params() -> str:
+    """libx264's parameters: one thread, and x264's own CPU detection less AVX-512 (see the module docstring)."""
+    import av
+
+    av.codec.Codec("libx264", "w")  # libavcodec is loaded, and with it libx264 (or: no such encoder, named)
+    path = loaded_library("libx264")
+    if path is None:
+        return "threads=1:mbtree=0"
+    detect = ctypes.CDLL(path).x264_cpu_detect
+    detect.restype = ctypes.c_uint32
+    return f"threads=1:asm={detect() & ~X264_CPU_AVX512}"
+
+
 def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
     """H.264 MP4 of uint8 frames shaped (frames, height, width, 3), byte-for-byte reproducible."""
     import av
 
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
-        stream = container.add_stream("libx264", rate=fps, options=_X264)
+        stream = container.add_stream("libx264", rate=fps, options={**_X264, "x264-params": x264_params()})
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))

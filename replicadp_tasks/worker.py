@@ -163,7 +163,8 @@ def _load_then_consume(**_):
     name = _state["name"]
     started = time.time()
     pipeline = PipelineHolder(SETTINGS.model, model_cache=SETTINGS.model_cache, threads=SETTINGS.threads,
-                              vae_tiling=SETTINGS.vae_tiling, attention=SETTINGS.attention, compile=SETTINGS.compile)
+                              vae_tiling=SETTINGS.vae_tiling, attention=SETTINGS.attention, compile=SETTINGS.compile,
+                              deterministic=SETTINGS.deterministic)
     try:
         pipeline.load()
         _state["store"] = open_store(SETTINGS.store, SETTINGS.output_dir, SETTINGS.redis_url, SETTINGS.store_ttl_s)
@@ -176,7 +177,7 @@ def _load_then_consume(**_):
     _state["holder"] = pipeline
     info = {"name": name, "model": SETTINGS.model, "device": describe_device(pipeline.device),
             "size_multiple": pipeline.size_multiple, "accepts_image": pipeline.accepts_image,
-            "attention": SETTINGS.attention, "compile": SETTINGS.compile,
+            "attention": SETTINGS.attention, "compile": SETTINGS.compile, "deterministic": SETTINGS.deterministic,
             "pid": os.getpid(), "load_s": round(time.time() - started, 3), "loaded_at": time.time()}
     _state["redis"] = outage_tolerant(SETTINGS.redis_url)
     log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])

@@ -3,6 +3,7 @@
 Everything a test session starts lives under one temp folder and is stopped at the end, also on failure.
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ os.environ.pop("REDIS_URL", None)
 os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
 
 import pytest  # noqa: E402
+import redis  # noqa: E402
 
 from client.api import use_redis  # noqa: E402
 from client.embedded import EmbeddedServer  # noqa: E402
@@ -44,6 +46,21 @@ def redis_server():
     use_redis(server.start())
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_db(redis_server):
+    """Hands out databases on the session's server: each `redis_db()` is the URL of one that no test has had
+    in this session, empty, so that a test's queue, results and counters are its own. DB 0 stays the session
+    replicas' and this process's."""
+    numbers = itertools.count(1)
+
+    def fresh() -> str:
+        url = f"{redis_server.url.rsplit('/', 1)[0]}/{next(numbers)}"
+        redis.Redis.from_url(url).flushdb()  # past the server's `databases`: "DB index is out of range"
+        return url
+
+    return fresh
 
 
 @pytest.fixture(scope="session")

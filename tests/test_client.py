@@ -78,6 +78,7 @@ def test_tampered_baseline_fails_the_check(baseline, replicas, redis_server, tmp
               redis_url=redis_server.url)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "mismatch" in run.stdout and f"seed={data['entries'][key]['seed']}" in run.stdout
+    assert "no baseline video to compare" in run.stdout  # its videos stayed beside the original
 
 
 def test_other_inputs_are_unknown_to_the_baseline(baseline, replicas, redis_server):
@@ -85,7 +86,7 @@ def test_other_inputs_are_unknown_to_the_baseline(baseline, replicas, redis_serv
     path, _ = baseline
     run = cli("bench", "--num-requests", "2", "--concurrency", "2", "--base-seed", "7", *SMALL,
               "--check-baseline", str(path), redis_url=redis_server.url)
-    assert run.returncode == 1 and "unknown 2" in run.stdout, run.stdout
+    assert run.returncode == 1 and "2 unknown" in run.stdout, run.stdout
 
 
 def test_usage_errors_exit_2(redis_server, tmp_path):

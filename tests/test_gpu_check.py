@@ -37,7 +37,7 @@ def run_check(tmp_path: Path, **overrides: str) -> tuple[subprocess.CompletedPro
 def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v) the check runs end to end: the kernels step (each
     attention backend, then compiled blocks), the embedded server, one replica recording the baseline, two
-    replicas checked against it, the summary. It exits 0, the replicas use the fastest backend the kernels step
+    replicas checked against it, one replica without deterministic kernels (its cost printed), the summary. It exits 0, the replicas use the fastest backend the kernels step
     found, its reports hold the figures the GPU run prints (latency, videos/min, peak memory per replica,
     isolation), and it stops what it started."""
     state_dirs = set(Path("/tmp").glob("replicadp-gpu-check.*"))
@@ -55,6 +55,9 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     assert all(r["peak_memory_gib"] > 0 for r in two["per_replica"].values())
     assert one["dit_tflops_per_s"] > 0 and one["mfu"] is None  # no MFU against a GPU's peak on a CPU
     assert "PASS (3 matched, 0 mismatched)" in run.stdout
+    fast = json.loads((out / "fast.json").read_text())
+    assert fast["completed"] == 3 and fast["label"] == "1 replica, nondeterministic"
+    assert "deterministic kernels (REPLICADP_DETERMINISTIC=1, the default) cost" in run.stdout
     assert (out / "replicas.log").exists()
     assert started_by_the_script() == [] and set(Path("/tmp").glob("replicadp-gpu-check.*")) == state_dirs
 
