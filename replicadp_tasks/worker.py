@@ -25,6 +25,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu import Queue
 from kombu.exceptions import OperationalError
+from kombu.transport import virtual
 
 from .app import app
 from .lease import Keeper
@@ -127,12 +128,20 @@ class ReplicaRequest(Request):
         if isinstance(exc, WorkerLostError):
             _pause("its pool child was lost")
             if self.task.acks_late and self.task.reject_on_worker_lost and _state["keeper"] is not None:
-                # Before Celery's reject, which then finds nothing left to requeue and only acknowledges. If
-                # Redis is down, Celery's reject fails too, and the lease sweep requeues it within two ticks.
+                # Instead of Celery's reject. If Redis is down, Celery's reject fails too, and the lease sweep
+                # requeues it within two ticks.
                 try:
                     _state["keeper"].lost(self)
                 except redis.RedisError as err:
                     log.warning("cannot requeue %s now: %s", self.id, err)
+                else:
+                    # Requeued: settle the message in this process only. Celery's reject would restore it by its
+                    # delivery tag once more, and the tag stays the same on redelivery: a replica that received
+                    # the message meanwhile (a few ms) would have its delivery put back as a second copy (seen:
+                    # every such kill gave two deliveries, each counted as a start, so that a request killed
+                    # twice was failed as poison).
+                    virtual.QoS.ack(self.message.channel.qos, self.message.delivery_tag)
+                    self.acknowledged = True
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft, timeout):

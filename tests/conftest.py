@@ -34,6 +34,15 @@ from client.embedded import EmbeddedServer  # noqa: E402
 from client.replicas import Replicas  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """tmp_path folders under the session folder too, unless --basetemp says otherwise: two runs at once on one
+    machine (two checkouts) share /tmp/pytest-of-<user> (seen: one run's folder removed under the other's
+    tests)."""
+    if config.option.basetemp is None:
+        config.option.basetemp = str(SESSION_DIR / "pytest")
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
@@ -71,8 +80,9 @@ def tiny_model():
     return Path(resolve_model("tiny", Path(os.environ["REPLICADP_MODEL_CACHE"])))
 
 
-def start_replicas(n: int, redis_url: str, name: str, **env) -> Replicas:
-    return Replicas(n, redis_url=redis_url, model="tiny", threads=1, env=env,
+def start_replicas(n: int, redis_url: str, name: str, model: str = "tiny", **env) -> Replicas:
+    """`n` replicas (one CPU thread each) of `model` on `redis_url`, started and serving; `env`: their settings."""
+    return Replicas(n, redis_url=redis_url, model=model, threads=1, env=env,
                     log_path=SESSION_DIR / "logs" / f"{name}.log").start(timeout=180)
 
 

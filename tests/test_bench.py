@@ -12,11 +12,11 @@ from replicadp_tasks.pipeline import REFERENCE_WORK
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 
 
-def test_synthetic_backend_is_scaled_deterministic_and_named(redis_server, tmp_path):
+def test_synthetic_backend_is_scaled_deterministic_and_named(redis_db, tmp_path):
     """synthetic:SECONDS spends SECONDS x work / reference work per request, says it is the benchmark backend,
     and its frames depend on the inputs alone: same input, same hashes on either replica; another seed differs."""
-    url = redis_server.url[:-1] + "2"
-    group = start_replicas(2, url, "synthetic", REPLICADP_MODEL="synthetic:40", OUTPUT_DIR=str(tmp_path))
+    url = redis_db()
+    group = start_replicas(2, url, "synthetic", model="synthetic:40", OUTPUT_DIR=str(tmp_path))
     size = {"height": 128, "width": 128, "num_frames": 33, "num_inference_steps": 30}
     requests = [{"prompt": "p", "seed": 1, **size} for _ in range(4)] + [{"prompt": "p", "seed": 2, **size}]
     try:

@@ -22,9 +22,9 @@ def cli(*args, redis_url, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def baseline(redis_server, tiny_model, tmp_path_factory):
+def baseline(redis_db, tiny_model, tmp_path_factory):
     """A baseline recorded by one replica (its own DB), one request at a time: the reference protocol's step 1."""
-    url = redis_server.url[:-1] + "1"
+    url = redis_db()
     group = start_replicas(1, url, "single", OUTPUT_DIR=str(SESSION_DIR / "outputs-single"))
     path = tmp_path_factory.mktemp("bench") / "baseline.json"
     report = path.with_name("one.json")

@@ -12,10 +12,18 @@ import redis
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 
 
-def our_processes() -> set[int]:
-    """PIDs of every replica and embedded server on this machine (to prove none is left behind)."""
-    out = subprocess.run(["pgrep", "-f", "replicadp_tasks worker|valkey-server"], capture_output=True, text=True)
-    return {int(p) for p in out.stdout.split()}
+def started_with(tmp: Path) -> set[int]:
+    """PIDs of the processes running with TMPDIR=`tmp`: what a test started with clean_env (its servers and
+    replicas among them), and nothing another test or another run on this machine started."""
+    mark = f"TMPDIR={tmp}".encode()
+    pids = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if mark in proc.joinpath("environ").read_bytes().split(b"\0"):
+                pids.add(int(proc.name))
+        except OSError:  # gone, or not ours
+            pass
+    return pids
 
 
 @pytest.fixture
@@ -32,7 +40,6 @@ def test_demo_runs_the_reference_protocol_and_cleans_up(clean_env, tmp_path, tin
     """`replicadp demo` starts its own server, benches 1 then 2 replicas, passes the isolation check,
     prints the table and where the videos are, and leaves no process or temp folder behind."""
     env, tmp = clean_env
-    before = our_processes()
     out = tmp_path / "videos"
     run = subprocess.run([REPLICADP, "demo", "--num-requests", "4", "--size", "64x64", "--num-frames", "9",
                           "--steps", "4", "--output-dir", str(out)], env=env, capture_output=True, text=True,
@@ -42,7 +49,7 @@ def test_demo_runs_the_reference_protocol_and_cleans_up(clean_env, tmp_path, tin
     assert "videos/min" in run.stdout and "efficiency" in run.stdout
     assert str(out) in run.stdout.replace("\n", "")
     assert len(list(out.glob("*.mp4"))) >= 8  # both phases' videos (and the warm-ups)
-    assert our_processes() <= before
+    assert started_with(tmp) == set()
     assert list(tmp.iterdir()) == []
 
 
@@ -50,12 +57,11 @@ def test_up_then_plain_generate_then_down(clean_env, tiny_model):
     """After `replicadp up`, `generate.delay().get()` works with no variable set (the URL comes from up's
     state); `down` stops the server and the replicas."""
     env, tmp = clean_env
-    before = our_processes()
     up = subprocess.run([REPLICADP, "up", "--replicas", "1"], env=env, capture_output=True, text=True, timeout=300)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         state = json.loads((Path(env["REPLICADP_STATE_DIR"]) / "state.json").read_text())
-        assert our_processes() > before
+        assert len(started_with(tmp)) >= 2  # the server and the replica (with its launcher and pool child)
         code = ("from replicadp_tasks import generate; import json; print(json.dumps(generate.delay(prompt='x', "
                 "height=64, width=64, num_frames=9, num_inference_steps=4).get(timeout=60)))")
         gen = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -65,7 +71,7 @@ def test_up_then_plain_generate_then_down(clean_env, tiny_model):
     finally:
         down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0 and "stopped 1 replica" in down.stdout
-    assert our_processes() <= before
+    assert started_with(tmp) == set()
     assert not (Path(env["REPLICADP_STATE_DIR"]) / "state.json").exists()
 
 

@@ -2,23 +2,34 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MARK = "REPLICADP_STATE_DIR=/tmp/replicadp-gpu-check."  # in the environment of everything the script starts
+STATE_DIR = re.compile(r"/tmp/replicadp-gpu-check\.\w+")  # the folder each run of the script makes
 
 
-def started_by_the_script() -> list[str]:
+def started_by_the_script(out: Path) -> list[str]:
+    """PIDs of the processes that the run writing to `out` started: OUT is in the environment of all of them,
+    and of no other run's on this machine."""
+    mark = f"OUT={out}".encode()
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if MARK in proc.joinpath("environ").read_bytes().decode(errors="replace"):
+            if mark in proc.joinpath("environ").read_bytes().split(b"\0"):
                 pids.append(proc.name)
         except OSError:  # gone, or not ours
             pass
     return pids
+
+
+def left_behind(run: subprocess.CompletedProcess) -> list[str]:
+    """The run's state folders (as its output names them) that still exist; an error if it named none."""
+    dirs = set(STATE_DIR.findall(run.stdout + run.stderr))
+    assert dirs, "the run never named its state folder"
+    return [d for d in dirs if Path(d).exists()]
 
 
 def run_check(tmp_path: Path, **overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -36,11 +47,10 @@ def run_check(tmp_path: Path, **overrides: str) -> tuple[subprocess.CompletedPro
 
 def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v) the check runs end to end: the kernels step (each
-    attention backend, then compiled blocks), the embedded server, one replica recording the baseline, two
-    replicas checked against it, one replica without deterministic kernels (its cost printed), the summary. It exits 0, the replicas use the fastest backend the kernels step
-    found, its reports hold the figures the GPU run prints (latency, videos/min, peak memory per replica,
-    isolation), and it stops what it started."""
-    state_dirs = set(Path("/tmp").glob("replicadp-gpu-check.*"))
+    attention backend, then compiled blocks), the embedded server, one replica recording the baseline, one
+    without deterministic kernels (its cost printed), two replicas checked against the baseline, the summary.
+    It exits 0, the replicas use the fastest backend the kernels step found, its reports hold the figures the
+    GPU run prints (latency, videos/min, peak memory per replica, isolation), and it stops what it started."""
     run, out = run_check(tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     kernels = json.loads((out / "kernels.json").read_text())
@@ -59,14 +69,13 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     assert fast["completed"] == 3 and fast["label"] == "1 replica, nondeterministic"
     assert "deterministic kernels (REPLICADP_DETERMINISTIC=1, the default) cost" in run.stdout
     assert (out / "replicas.log").exists()
-    assert started_by_the_script() == [] and set(Path("/tmp").glob("replicadp-gpu-check.*")) == state_dirs
+    assert started_by_the_script(out) == [] and left_behind(run) == []
 
 
 def test_gpu_check_goes_on_when_the_kernels_step_is_cut_short(tmp_path):
     """A kernels step past KERNELS_TIMEOUT (1 s here: it is killed while importing torch) costs the check only
     its kernel figures: it says so, the replicas run on the default attention backend and pass the isolation
     check, and the exit status is 1 (something was not measured)."""
-    state_dirs = set(Path("/tmp").glob("replicadp-gpu-check.*"))
     run, out = run_check(tmp_path, KERNELS_TIMEOUT="1", REQUESTS="2")
     assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
     assert "the kernels step failed or ran past 1 s" in run.stderr
@@ -74,4 +83,4 @@ def test_gpu_check_goes_on_when_the_kernels_step_is_cut_short(tmp_path):
     two = json.loads((out / "two.json").read_text())
     assert two["completed"] == 2 and two["isolation"]["passed"]
     assert "PASS (2 matched, 0 mismatched)" in run.stdout
-    assert started_by_the_script() == [] and set(Path("/tmp").glob("replicadp-gpu-check.*")) == state_dirs
+    assert started_by_the_script(out) == [] and left_behind(run) == []

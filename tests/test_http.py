@@ -1,5 +1,6 @@
 """The HTTP front door (`replicadp serve-http`) as a client sees it: real gateway processes, spoken to with
-httpx, in front of real replicas (the tiny model on DB 0, a synthetic slow one on DB 11) or of none."""
+httpx, in front of real replicas (the tiny model on DB 0, one of the synthetic backend, whose requests run for
+the time a test sets, on a database of its own) or of none."""
 
 import hashlib
 import io
@@ -7,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,22 +18,26 @@ import httpx
 import pytest
 import redis
 import schemathesis
-from conftest import SESSION_DIR
+from conftest import SESSION_DIR, start_replicas
+from helpers import SYNTHETIC, lasting, wait_for
 from hypothesis import HealthCheck, given, settings
 from PIL import Image
 
 from client.embedded import _free_port, die_with_parent, stop_pid
-from client.replicas import Replicas
 from replicadp_tasks.worker import CANCEL_KEY
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 SMALL = {"prompt": "a fox in snow", "size": "64x64", "num_frames": "9", "num_inference_steps": "2", "seed": "5"}
-# On the synthetic backend (synthetic:9): 0.3 s per step, 60 s in all; cancelled long before it would end.
-LONG = {"prompt": "a long one", "size": "832x480", "num_frames": "33", "num_inference_steps": "200"}
 
 
-def db(redis_server, n: int) -> str:
-    return redis_server.url[:-1] + str(n)
+def form_of(request: dict) -> dict:
+    """A generate request as the HTTP form's fields."""
+    form = {k: str(v) for k, v in request.items() if k not in ("height", "width")}
+    return {**form, "size": f"{request['width']}x{request['height']}"}
+
+
+# 50 s on the synthetic backend; cancelled long before it would end.
+LONG = form_of(lasting(50, prompt="a long one"))
 
 
 @contextmanager
@@ -47,16 +51,16 @@ def gateway(url: str, name: str, *args: str, **env: str):
                                 stderr=subprocess.STDOUT, env={**os.environ, "REDIS_URL": url, **env},
                                 preexec_fn=die_with_parent)  # noqa: PLW1509 (as Replicas does)
     base = f"http://127.0.0.1:{port}"
+
+    def serving() -> bool:
+        assert proc.poll() is None, f"gateway exited ({proc.returncode}):\n{log_path.read_text()}"
+        try:
+            return httpx.get(f"{base}/openapi.json").status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"gateway exited ({proc.returncode}):\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"gateway not up after 60 s:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"{base}/openapi.json").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_for(serving, f"the gateway to serve (log: {log_path})")
         with httpx.Client(base_url=base, timeout=120) as client:
             yield SimpleNamespace(url=base, client=client, redis_url=url)
     finally:
@@ -71,19 +75,19 @@ def live(replicas, redis_server):
 
 
 @pytest.fixture(scope="module")
-def closed(redis_server):
+def closed(redis_db):
     """A gateway on a DB with no replica that refuses every request past validation (max queue 0), with a
     4 KiB limit on first frames."""
-    with gateway(db(redis_server, 12), "closed", "--max-queue", "0", REPLICADP_MAX_IMAGE_BYTES="4096") as gw:
+    with gateway(redis_db(), "closed", "--max-queue", "0", REPLICADP_MAX_IMAGE_BYTES="4096") as gw:
         yield gw
 
 
 @pytest.fixture(scope="module")
-def slow(redis_server, tiny_model):
-    """One replica on the synthetic backend (requests take seconds, step by step) behind a gateway (DB 11)."""
-    url = db(redis_server, 11)
-    group = Replicas(1, redis_url=url, model="synthetic:9", threads=1,
-                     log_path=SESSION_DIR / "logs" / "synthetic.log").start(timeout=180)
+def slow(redis_db):
+    """One replica on the synthetic backend (requests take seconds, step by step) behind a gateway, on a
+    database of their own."""
+    url = redis_db()
+    group = start_replicas(1, url, "synthetic-http", model=SYNTHETIC)
     try:
         with gateway(url, "slow") as gw:
             yield gw
@@ -109,15 +113,12 @@ def mp4_frames(data: bytes) -> tuple[int, int, int, float]:
     return len(frames), frames[0].shape[1], frames[0].shape[0], rate
 
 
-def wait_for(fetch, done, timeout: float = 120.0):
-    """Poll `fetch()` until `done(value)`; the value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fetch()
-        if done(value):
-            return value
-        assert time.monotonic() < deadline, f"still {value!r} after {timeout:.0f} s"
-        time.sleep(0.2)
+def job_once(gw, job_id: str, done):
+    """A predicate for wait_for: the job as GET /v1/videos/{id} answers it, once `done(job)`."""
+    def check():
+        job = gw.client.get(f"/v1/videos/{job_id}").json()
+        return job if done(job) else None
+    return check
 
 
 def result_meta(url: str, task_id: str) -> dict | None:
@@ -184,8 +185,8 @@ def test_async_job_life_cycle(live, replicas):
     job = r.json()
     assert job["object"] == "video" and job["status"] in ("queued", "in_progress") and job["model"] == "tiny"
     assert (job["size"], job["num_frames"], job["prompt"]) == ("64x64", 9, SMALL["prompt"]) and job["error"] is None
-    done = wait_for(lambda: live.client.get(f"/v1/videos/{job['id']}").json(),
-                    lambda j: j["status"] not in ("queued", "in_progress"))
+    done = wait_for(job_once(live, job["id"], lambda j: j["status"] not in ("queued", "in_progress")),
+                    f"job {job['id']} to finish", timeout=120)
     assert done["status"] == "completed" and done["progress"] == 100 and done["replica"] in replicas.names
     assert done["completed_at"] >= job["created_at"]
     content = live.client.get(f"/v1/videos/{job['id']}/content")
@@ -251,10 +252,10 @@ def test_health_is_503_without_a_live_replica(closed, live, replicas):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
 
 
-def test_past_the_queue_depth_requests_get_429(redis_server):
+def test_past_the_queue_depth_requests_get_429(redis_db):
     """With --max-queue 1 and nothing taking requests, the first is queued and the next ones, async or sync,
     are refused with 429 and a Retry-After in seconds instead of queueing without bound."""
-    with gateway(db(redis_server, 13), "full", "--max-queue", "1") as gw:
+    with gateway(redis_db(), "full", "--max-queue", "1") as gw:
         assert post(gw, "/v1/videos", SMALL).status_code == 200
         for route in ("/v1/videos", "/v1/videos/sync"):
             r = post(gw, route, SMALL)
@@ -262,11 +263,11 @@ def test_past_the_queue_depth_requests_get_429(redis_server):
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
 
 
-def test_gateways_share_jobs_and_a_queued_job_is_cancelled(redis_server):
+def test_gateways_share_jobs_and_a_queued_job_is_cancelled(redis_db):
     """Two gateways on one Redis: a job created through one is read, listed and deleted through the other;
     deleting a queued job cancels it (no replica will run it), and a sync request that times out is a 504
     whose request is cancelled too."""
-    url = db(redis_server, 14)
+    url = redis_db()
     with gateway(url, "a", "--sync-timeout", "1") as a, gateway(url, "b") as b:
         job = post(a, "/v1/videos", SMALL).json()
         assert b.client.get(f"/v1/videos/{job['id']}").json()["status"] == "queued"
@@ -276,17 +277,19 @@ def test_gateways_share_jobs_and_a_queued_job_is_cancelled(redis_server):
         assert redis.Redis.from_url(url).exists(CANCEL_KEY + job["id"])
         timed_out = post(a, "/v1/videos/sync", SMALL)
         assert timed_out.status_code == 504 and timed_out.json()["error"]["code"] == "timeout"
-        wait_for(lambda: len(redis.Redis.from_url(url).keys(CANCEL_KEY + "*")), lambda n: n == 2, timeout=10)
+        wait_for(lambda: len(redis.Redis.from_url(url).keys(CANCEL_KEY + "*")) == 2,
+                 "both requests to be marked cancelled", timeout=10)
 
 
 def test_deleting_a_running_job_stops_it(slow):
     """DELETE of a job in progress stops it at its next denoising step (its task ends RequestCancelled, long
     before it would have completed) and the replica serves the next request."""
     job = post(slow, "/v1/videos", LONG).json()
-    running = wait_for(lambda: slow.client.get(f"/v1/videos/{job['id']}").json(), lambda j: j["progress"] > 0)
+    running = wait_for(job_once(slow, job["id"], lambda j: j["progress"] > 0), f"job {job['id']} to make progress")
     assert running["status"] == "in_progress" and running["replica"]
     assert slow.client.delete(f"/v1/videos/{job['id']}").status_code == 200
-    meta = wait_for(lambda: result_meta(slow.redis_url, job["id"]), lambda m: m and m["status"] == "FAILURE")
+    meta = wait_for(lambda: (m := result_meta(slow.redis_url, job["id"])) and m["status"] == "FAILURE" and m,
+                    f"job {job['id']} to fail")
     assert meta["result"]["exc_type"] == "RequestCancelled"
     assert post(slow, "/v1/videos/sync", SMALL).status_code == 200
 
@@ -303,7 +306,7 @@ def test_a_sync_client_that_goes_away_cancels_its_request(slow):
         metas = [json.loads(client.get(k)) for k in set(client.keys("celery-task-meta-*")) - before]
         return [m for m in metas if m["status"] == "FAILURE"]
 
-    ended = wait_for(cancelled, bool)
+    ended = wait_for(cancelled, "the abandoned request to end")
     assert [m["result"]["exc_type"] for m in ended] == ["RequestCancelled"]
 
 

@@ -29,6 +29,7 @@ from client.flower import CredentialsError, credentials
 from client.metrics import Exporter
 from client.replicas import LAUNCHER, stop_group
 from conftest import SESSION_DIR, run_client_on, start_replicas
+from helpers import SYNTHETIC, lasting, wait_for
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.store import fetch_video
 from replicadp_tasks.worker import REPLICA_KEY
@@ -36,27 +37,16 @@ from replicadp_tasks.worker import REPLICA_KEY
 ROOT = Path(__file__).resolve().parent.parent
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 TINY = {"prompt": "x", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
-# Long enough to span a few replica heartbeats (2 s apart): ~8 s on the tiny model with one thread.
-LONG = {"prompt": "long", "height": 256, "width": 256, "num_frames": 17, "num_inference_steps": 200}
-# Easy to catch mid-request (~2 s), short enough to finish soon once resumed.
-STEPPED = {"prompt": "stepped", "height": 128, "width": 128, "num_frames": 9, "num_inference_steps": 100}
+# On the lone replica (synthetic backend): long enough to span a few replica heartbeats (2 s apart).
+LONG = lasting(8, prompt="long")
+# Easy to catch mid-request, short enough to finish soon once resumed.
+STEPPED = lasting(4, prompt="stepped")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2):
-    """Poll until `predicate()` returns something truthy; return it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"{what}: not within {timeout:.0f} s")
 
 
 def http_get(url: str, auth: str | None = None) -> tuple[int, bytes]:
@@ -203,7 +193,7 @@ def test_flower_requires_basic_auth_and_shows_the_replicas(replicas, redis_serve
         auth = line.split()[-1]
         assert auth.split(":")[1] not in Path(f"/proc/{proc.pid}/cmdline").read_text()
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _answers(base), "Flower listening")
+        wait_for(lambda: _answers(base), "Flower to listen")
         assert http_get(f"{base}/api/workers")[0] == 401
         assert http_get(f"{base}/api/workers", "admin:wrong")[0] == 401
 
@@ -212,7 +202,7 @@ def test_flower_requires_basic_auth_and_shows_the_replicas(replicas, redis_serve
             assert status == 200, body
             return set(replicas.names) <= set(json.loads(body))
 
-        wait_for(lists_replicas, "Flower lists both replicas")
+        wait_for(lists_replicas, "Flower to list both replicas")
     finally:
         stop(proc)
 
@@ -228,13 +218,13 @@ def _answers(base: str) -> bool:
 # --- a replica of its own: the exporter's counts and the health check's faults touch no other test's ------
 
 @pytest.fixture(scope="module")
-def lone_replica(redis_server, tiny_model):
-    """One replica on DB 6: its counts are exact, and stopping its process or its consumer disturbs no other test."""
-    url = redis_server.url[:-1] + "6"
-    group = start_replicas(1, url, "lone")
+def lone_replica(redis_db):
+    """One replica of the synthetic backend (its requests run for the time a test sets) on a database of its
+    own: its counts are exact, and stopping its process or its consumer disturbs no other test."""
+    url = redis_db()
+    group = start_replicas(1, url, "lone", model=SYNTHETIC)
     yield SimpleNamespace(url=url, name=group.names[0], app=_app_for(url))
     group.stop()
-    redis.Redis.from_url(url).flushdb()
 
 
 # --- Prometheus exporter ----------------------------------------------------------------------------------
@@ -254,7 +244,7 @@ def busy(metrics: dict) -> dict:
 def start_exporter(url: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = start(["metrics", "--port", str(port)], url)
-    wait_for(lambda: _answers(f"http://127.0.0.1:{port}"), "exporter listening")
+    wait_for(lambda: _answers(f"http://127.0.0.1:{port}"), "the exporter to listen")
     return proc, port
 
 
@@ -265,7 +255,7 @@ def test_metrics_count_and_time_the_requests(lone_replica):
     proc, port = start_exporter(lone_replica.url)
     try:
         # The replica's heartbeat arrives once the exporter's event consumer is in place.
-        wait_for(lambda: name in busy(scrape(port)), "exporter sees the replica")
+        wait_for(lambda: name in busy(scrape(port)), "the exporter to see the replica")
         requests = [{**TINY, "seed": s} for s in range(3)] + [{**TINY, "num_frames": 6}]  # the last is invalid
         outcomes = run_client_on(lone_replica.url, requests, concurrency=2)
         assert [o.ok for o in outcomes] == [True, True, True, False]
@@ -277,7 +267,7 @@ def test_metrics_count_and_time_the_requests(lone_replica):
                     m.get(("replicadp_requests_failed_total", labels)))
             return m if ends == (3, 1) else None
 
-        m = wait_for(counted, "exporter counts the 4 requests")
+        m = wait_for(counted, "the exporter to count the 4 requests")
         assert m[("replicadp_request_latency_seconds_count", ())] == 3
         assert m[("replicadp_queue_wait_seconds_count", ())] == 4
         assert 0 < m[("replicadp_request_latency_seconds_sum", ())] < 3 * 60
@@ -306,35 +296,34 @@ def test_metrics_time_each_request_once_whatever_the_event_order(order):
 
 
 def test_metrics_show_a_replica_busy_while_it_runs(lone_replica):
-    """replicadp_replica_busy is 1 for a replica while it runs a request, 0 before and after."""
+    """replicadp_replica_busy is 1 for a replica while it runs a request (of 8 s), 0 before and after."""
     proc, port = start_exporter(lone_replica.url)
     try:
-        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 0.0}, "replica idle")
+        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 0.0}, "the replica to be idle")
         result = lone_replica.app.send_task("replicadp.generate", kwargs=LONG)
-        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 1.0}, "replica busy")
+        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 1.0}, "the replica to be busy")
         result.get(timeout=120)
-        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 0.0}, "replica idle again")
+        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 0.0}, "the replica to be idle again")
     finally:
         stop(proc)
 
 
-def test_metrics_show_the_queue_depth_and_how_long_it_waited(redis_server):
+def test_metrics_show_the_queue_depth_and_how_long_it_waited(redis_db):
     """With no replica on its DB, two sent requests wait: depth 2, and the age of the oldest is the time since
     it was sent."""
-    url = redis_server.url[:-1] + "7"
+    url = redis_db()
     proc, port = start_exporter(url)
     try:
         first = time.time()
         for seed in range(2):
             _app_for(url).send_task("replicadp.generate", kwargs={**TINY, "seed": seed})
-        time.sleep(1.0)
+        time.sleep(1.0)  # the wait to be measured
         m = scrape(port)
         assert m[("replicadp_queue_depth", ())] == 2
         # Waited at least the pause since the last was sent, at most the time since the first (one clock here).
         assert 1.0 <= m[("replicadp_queue_oldest_age_seconds", ())] <= time.time() - first
     finally:
         stop(proc)
-        redis.Redis.from_url(url).flushdb()
 
 
 # --- health -----------------------------------------------------------------------------------------------
@@ -375,11 +364,11 @@ def test_health_fails_a_request_stuck_at_one_step(lone_replica, stopped):
     first seen at its step, and unhealthy once the step has not moved for --stall-after seconds."""
     result = lone_replica.app.send_task("replicadp.generate", kwargs=STEPPED)
     meta = wait_for(lambda: (lambda m: m if m["status"] == "PROGRESS" else None)(
-        lone_replica.app.backend.get_task_meta(result.id)), "request running", interval=0.01)
+        lone_replica.app.backend.get_task_meta(result.id)), "the request to run", interval=0.01)
     stopped(meta["result"]["pid"])
     code, line = health(lone_replica.name, lone_replica.url)
     assert code == 0 and f"running request {result.id}" in line, line
-    time.sleep(STALL + 0.5)
+    time.sleep(STALL + 0.5)  # the stall to be detected
     code, line = health(lone_replica.name, lone_replica.url)
     assert code == 1 and f"request {result.id} has been at step" in line and "(stuck)" in line, line
 
@@ -388,13 +377,13 @@ def test_health_fails_an_idle_replica_beside_waiting_requests(lone_replica, stop
     """Alive but not consuming: with its pool child stopped while idle, the replica answers pings and reports
     nothing running, while a request waits in the queue; past --stall-after that is unhealthy. Resumed, it
     runs both requests and is healthy again."""
-    wait_for(lambda: ": idle," in health(lone_replica.name, lone_replica.url)[1], "replica idle")
+    wait_for(lambda: ": idle," in health(lone_replica.name, lone_replica.url)[1], "the replica to be idle")
     # The pool child, as the replica published it when it loaded the model.
     pid = json.loads(redis.Redis.from_url(lone_replica.url).get(REPLICA_KEY + lone_replica.name))["pid"]
     stopped(pid)
     # The main process takes the first from the queue and hands it to the stopped child; the second waits.
     results = [lone_replica.app.send_task("replicadp.generate", kwargs={**TINY, "seed": s}) for s in range(2)]
-    time.sleep(STALL + 0.5)
+    time.sleep(STALL + 0.5)  # the stall to be detected
     code, line = health(lone_replica.name, lone_replica.url)
     assert code == 1 and any(f"idle while request {r.id} has waited" in line for r in results), line
     os.kill(pid, signal.SIGCONT)
@@ -468,7 +457,7 @@ def test_replicas_on_two_hosts_share_one_redis(two_hosts, tiny_model, tmp_path):
                                     preexec_fn=die_with_parent)
             stack.callback(stop_group, proc.pid, 60, proc)
         want = {f"replica0@{h.name}" for h in two_hosts}
-        wait_for(lambda: want <= set(live_replicas(timeout=0.5, url=url)), "both hosts' replicas serving", timeout=180)
+        wait_for(lambda: want <= set(live_replicas(timeout=0.5, url=url)), "both hosts' replicas to serve", timeout=180)
         outcomes = run_client_on(url, [{**TINY, "seed": s} for s in range(4)], concurrency=2)
         assert all(o.ok for o in outcomes), [o.error for o in outcomes]
         assert {o.result["replica"] for o in outcomes} == want

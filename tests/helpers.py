@@ -1,0 +1,57 @@
+"""What the tests share besides fixtures: waiting for an event, and requests whose running time a test sets
+rather than takes from the speed of the machine."""
+
+import math
+import time
+
+from replicadp_tasks.pipeline import REFERENCE_WORK
+from replicadp_tasks.validate import MAX_STEPS
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2):
+    """Poll `predicate()` until it returns something truthy, and return that. Past `timeout` seconds, a
+    TimeoutError that says what was awaited (`what`) and what the predicate last returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"waited {timeout:g} s for {what}; last seen: {value!r:.300}")
+        time.sleep(interval)
+
+
+# Replicas of the synthetic benchmark backend spend a set time per denoising step, whatever the machine, and run
+# the same task, fence, progress, encoding and store code as a real model. With this spec a request of
+# SYNTHETIC_SHAPE takes SYNTHETIC_STEP_S a step (SECONDS is what the 832x480x33x30 reference request would take).
+# A small shape: encoding its video, the one part that is compute, takes milliseconds.
+SYNTHETIC_SHAPE = {"height": 64, "width": 64, "num_frames": 5}
+SYNTHETIC_STEP_S = 0.25
+SYNTHETIC = f"synthetic:{SYNTHETIC_STEP_S * REFERENCE_WORK / math.prod(SYNTHETIC_SHAPE.values()):g}"
+
+
+def lasting(seconds: float, **fields) -> dict:
+    """A request that runs `seconds` on SYNTHETIC replicas, in steps of SYNTHETIC_STEP_S (PROGRESS: the first
+    step, then at most every 0.5 s)."""
+    steps = round(seconds / SYNTHETIC_STEP_S)
+    assert 1 <= steps <= MAX_STEPS, f"{seconds} s is not 1 to {MAX_STEPS} steps of {SYNTHETIC_STEP_S} s"
+    return {"prompt": "synthetic", **SYNTHETIC_SHAPE, "num_inference_steps": steps, **fields}
+
+
+# Shapes to size a tiny-model request from, smallest first: a faster machine needs a larger one.
+TINY_SHAPES = ({"height": 128, "width": 128, "num_frames": 17}, {"height": 256, "width": 256, "num_frames": 33},
+               {"height": 480, "width": 832, "num_frames": 33})
+WARM_UP_STEPS = 4
+
+
+def tiny_request_lasting(seconds: float, run) -> dict:
+    """A tiny-model request that denoises for at least about `seconds` on the replicas that `run(request) ->
+    result` sends to, sized from warm-up requests measured there: the smallest shape whose steps, as many as
+    needed, can take that long. For a test that must use the real pipeline."""
+    for shape in TINY_SHAPES:
+        timings = run({"prompt": "warm-up", **shape, "num_inference_steps": WARM_UP_STEPS})["timings"]
+        steps = math.ceil(seconds / (timings["dit_s"] / WARM_UP_STEPS))
+        if steps <= MAX_STEPS:
+            return {**shape, "num_inference_steps": max(steps, WARM_UP_STEPS)}
+    raise RuntimeError(f"the tiny model denoises {TINY_SHAPES[-1]} in {timings['dit_s']:.3f} s per "
+                       f"{WARM_UP_STEPS} steps: {MAX_STEPS} steps of it are shorter than {seconds} s")
