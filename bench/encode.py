@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import io
 import json
 import os
 import statistics
@@ -30,22 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from client.bench import psnr_db  # noqa: E402
-from replicadp_tasks.video import _X264, decode_mp4, x264_params  # noqa: E402
+from replicadp_tasks.video import _X264, decode_mp4, encode_mp4, x264_params  # noqa: E402
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def encode(frames: np.ndarray, options: dict) -> bytes:
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
-        stream = container.add_stream("libx264", rate=24, options=options)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-        container.mux(stream.encode())
-    return buf.getvalue()
 
 
 def scene(height: int, width: int, count: int) -> np.ndarray:
@@ -98,18 +84,18 @@ def main(size, num_frames, repeats, out):
     rng = np.random.default_rng(0)
     rows = []
     for content, frames in contents.items():
-        reference = decode_mp4(encode(frames, {"qp": "0", "preset": "veryfast", "x264-params": "threads=1"}))
+        reference = decode_mp4(encode_mp4(frames, 24, {"qp": "0", "preset": "veryfast", "x264-params": "threads=1"}))
         times = {name: [] for name in settings}
         digests = {name: set() for name in settings}
         for _ in range(repeats):
             for name, params in settings.items():
                 dirty_heap(rng)
                 start = time.perf_counter()
-                data = encode(frames, {**_X264, "x264-params": params})
+                data = encode_mp4(frames, 24, {**_X264, "x264-params": params})
                 times[name].append(time.perf_counter() - start)
                 digests[name].add(hashlib.sha256(data).hexdigest())
         for name, params in settings.items():
-            data = encode(frames, {**_X264, "x264-params": params})
+            data = encode_mp4(frames, 24, {**_X264, "x264-params": params})
             rows.append({"content": content, "setting": name, "x264_params": params,
                          "encode_ms": round(1000 * statistics.median(times[name]), 1), "bytes": len(data),
                          "psnr_db": round(psnr_db(decode_mp4(data), reference), 2),

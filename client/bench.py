@@ -165,8 +165,8 @@ def check_baseline(path: Path, outcomes: list[Outcome], tolerance_psnr: float | 
 
     Exact equality of both hashes is the verdict. For each mismatch, the PSNR of its decoded video against its
     own input's baseline and against the closest baseline of any other input tells numeric noise (close to its
-    own) from bleed (as close to another input's). With `tolerance_psnr`, a mismatch within that many dB of its
-    own baseline, and closer to it than to any other, counts as tolerated instead of mismatched.
+    own) from bleed (as close to another input's). With `tolerance_psnr`, a mismatch whose PSNR against its own
+    baseline is at least that many dB, and higher than against any other, counts as tolerated, not mismatched.
     """
     entries = json.loads(path.read_text())["entries"]
     counts = {"matched": 0, "tolerated": 0, "mismatched": 0, "unknown": 0, "unverified": 0}

@@ -70,13 +70,15 @@ def x264_params() -> str:
     return f"threads=1:asm={detect() & ~X264_CPU_AVX512}"
 
 
-def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
-    """H.264 MP4 of uint8 frames shaped (frames, height, width, 3), byte-for-byte reproducible."""
+def encode_mp4(frames: np.ndarray, fps: int, options: dict | None = None) -> bytes:
+    """H.264 MP4 of uint8 frames shaped (frames, height, width, 3), byte-for-byte reproducible. `options`
+    replaces libx264's (bench/encode.py compares settings); replicas never pass it."""
     import av
 
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
-        stream = container.add_stream("libx264", rate=fps, options={**_X264, "x264-params": x264_params()})
+        options = options or {**_X264, "x264-params": x264_params()}
+        stream = container.add_stream("libx264", rate=fps, options=options)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
