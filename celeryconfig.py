@@ -6,6 +6,10 @@ from replicadp_tasks.settings import SETTINGS as _S
 # One Redis serves as broker and result backend; REDIS_URL (or `replicadp up`'s state) names it.
 broker_url = _S.redis_url
 result_backend = _S.redis_url
+# kombu's Redis transport with a check of every request message before Celery reads it (a malformed one crashed
+# the main process of every replica in turn); Sentinel and other transports go without.
+broker_transport = ("replicadp_tasks.transport:Transport"
+                    if _S.redis_url.partition("://")[0] in ("redis", "rediss") else None)
 
 # JSON only: a pickled message on the queue would be code execution on a GPU host.
 task_serializer = "json"
@@ -31,9 +35,10 @@ task_track_started = True
 # Task events feed Flower; the sent event lets it show queued requests too.
 worker_send_task_events = True
 task_send_sent_event = True
-# Storing a result or a progress report waits out a Redis restart instead of failing a finished request.
+# Storing a result or a progress report waits out a Redis outage (up to REPLICADP_REDIS_OUTAGE) instead of
+# failing a finished request.
 result_backend_always_retry = True
-result_backend_max_retries = 60
+result_backend_max_retries = _S.redis_outage_s
 result_backend_max_sleep_between_retries_ms = 1000
 # Results hold metadata only, so keeping them a day costs little.
 result_expires = _S.result_ttl_s

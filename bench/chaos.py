@@ -1,11 +1,13 @@
 """Chaos benchmark: a batch against real replicas while pool children, whole replicas and Redis are killed at
-random moments. Prints requests submitted / completed / failed / lost / computed more than once, and the
-recovery time of each kind of fault (median and max); writes JSON.
+random moments, replicas are stopped (SIGSTOP, then SIGCONT: a frozen or partitioned host) and malformed
+messages are pushed onto the queue. Prints requests submitted / completed / failed / lost / computed more than
+once, and the recovery time of each kind of fault (median and max); writes JSON.
 
     .venv/bin/python bench/chaos.py --replicas 3 --requests 60 --out bench-results/chaos.json
 
-Recovery time of a fault: from the kill until the request it interrupted has completed (a child or replica
-kill), or until the next request completes (a Redis kill: the server is down for `--redis-down` seconds).
+Recovery time of a fault: from the kill or stop until the request it interrupted has completed (a child or
+replica kill, a stop), or until the next request completes (a Redis kill: the server is down for `--redis-down`
+seconds; a poison message).
 """
 
 from __future__ import annotations
@@ -36,9 +38,20 @@ from client.embedded import EmbeddedServer  # noqa: E402
 from client.replicas import Replicas  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
 from replicadp_tasks.store import outage_tolerant  # noqa: E402
-from replicadp_tasks.worker import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
+from replicadp_tasks.transport import STATS_KEY  # noqa: E402
+from replicadp_tasks.worker import ATTEMPTS_KEY  # noqa: E402
 
-FAULTS = ("child", "replica", "redis")
+FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both")
+# Messages that each crashed a replica's main process, looped its consumer or were never answered, before
+# replicas checked what they pop (replicadp_tasks/message.py).
+POISON = (b"{not json", b"[1, 2, 3]",
+          json.dumps({"body": "%%%", "content-encoding": "utf-8", "content-type": "application/json",
+                      "headers": {"task": "replicadp.generate"}, "properties": {"delivery_tag": None}}).encode(),
+          json.dumps({"body": "ImFiYyI=", "content-encoding": "utf-8", "content-type": "application/json",
+                      "headers": {"task": "replicadp.generate", "id": "chaos-poison", "timelimit": "abc",
+                                  "eta": "2999-01-01T00:00:00+00:00"},
+                      "properties": {"delivery_tag": "chaos", "body_encoding": "base64",
+                                     "delivery_info": {"exchange": "", "routing_key": "video"}}}).encode())
 
 
 def parent_of(pid: int) -> int:
@@ -77,8 +90,8 @@ def running(client: redis.Redis) -> list[tuple[str, dict]]:
 class Chaos:
     """Kills something every `interval` seconds (randomised) until stopped; records each fault."""
 
-    def __init__(self, server: EmbeddedServer, seed: int, interval: float, redis_down: float, kinds):
-        self.server, self.interval, self.redis_down, self.kinds = server, interval, redis_down, kinds
+    def __init__(self, server: EmbeddedServer, seed: int, interval: float, redis_down: float, stop_s: float, kinds):
+        self.server, self.interval, self.redis_down, self.stop_s, self.kinds = server, interval, redis_down, stop_s, kinds
         self.rng = random.Random(seed)
         self.faults: list[dict] = []
         self.stop = threading.Event()
@@ -109,14 +122,28 @@ class Chaos:
             self.server.start()
             self.faults.append({"kind": kind, "at": at, "task_id": None})
             return
+        if kind == "poison":
+            self.client().lpush(SETTINGS.queue, self.rng.choice(POISON))
+            self.faults.append({"kind": kind, "at": time.time(), "task_id": None})
+            return
         busy = running(self.client())
         if not busy:
             return
         task_id, info = self.rng.choice(busy)
-        pid = info["pid"] if kind == "child" else parent_of(info["pid"])
-        os.kill(pid, signal.SIGKILL)
-        self.faults.append({"kind": kind, "at": time.time(), "task_id": task_id, "replica": info["replica"],
-                            "step": info["step"]})
+        child, main = info["pid"], parent_of(info["pid"])
+        fault = {"kind": kind, "at": time.time(), "task_id": task_id, "replica": info["replica"], "step": info["step"]}
+        if kind.startswith("stop-"):
+            pids = {"stop-main": [main], "stop-child": [child], "stop-both": [main, child]}[kind]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(self.stop_s)  # the stop itself
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+        else:
+            os.kill(child if kind == "child" else main, signal.SIGKILL)
+        self.faults.append(fault)
 
 
 @click.command()
@@ -128,11 +155,13 @@ class Chaos:
 @click.option("--steps", default=20, show_default=True)
 @click.option("--interval", default=6.0, show_default=True, help="Mean seconds between faults.")
 @click.option("--redis-down", default=2.0, show_default=True, help="Seconds Redis stays down when killed.")
+@click.option("--stop", "stop_s", default=15.0, show_default=True,
+              help="Seconds a stopped replica stays stopped (more than the 6 s lease: its requests are requeued).")
 @click.option("--faults", "kinds", default=",".join(FAULTS), show_default=True, help="Kinds of fault to draw from.")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds after which a request counts as lost.")
 @click.option("--out", default="bench-results/chaos.json", show_default=True, type=click.Path(path_type=Path))
-def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, kinds, seed, timeout, out):
+def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, kinds, seed, timeout, out):
     console = Console(width=None if sys.stdout.isatty() else 160)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the replicas, remove the run folder
     width, height = (int(v) for v in size.split("x"))
@@ -150,7 +179,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
         try:
             requests = [{"prompt": f"chaos {i}", "seed": i, "height": height, "width": width,
                          "num_frames": num_frames, "num_inference_steps": steps} for i in range(count)]
-            chaos = Chaos(server, seed, interval, redis_down, kinds)
+            chaos = Chaos(server, seed, interval, redis_down, stop_s, kinds)
             thread = threading.Thread(target=chaos.run, daemon=True)
             started = time.time()
             thread.start()
@@ -162,9 +191,10 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
             with chaos.striking:  # a fault under way has ended (Redis is up again)
                 pass
             elapsed = time.time() - started
-            client = outage_tolerant(chaos.server.url)  # the last fault may have just restarted Redis
+            client = outage_tolerant(chaos.server.url, 30)  # the last fault may have just restarted Redis
             starts = {o.task_id: int(client.get(ATTEMPTS_KEY + o.task_id) or 0) for o in outcomes}
             twice = int(client.hget(STATS_KEY, "duplicate_executions") or 0)
+            refused = int(client.hget(STATS_KEY, "refused_messages") or 0)
             serving = wait_serving(group.names)  # none left paused (a killed child's replica) or stuck
         finally:
             group.stop()
@@ -192,6 +222,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
         "interval_s": interval, "redis_down_s": redis_down, "seed": seed, "elapsed_s": round(elapsed, 1),
         "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
         "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),
+        "poison_pushed": sum(f["kind"] == "poison" for f in chaos.faults), "poison_refused": refused,
         "replicas_serving_at_end": serving,
         "errors": sorted({o.error for o in failed}),
         "recovery": {}, "faults": chaos.faults,
@@ -209,7 +240,8 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
     console.print(table)
     console.print(f"submitted {count}, completed {report['completed']}, failed {len(failed)}, lost {lost}, "
                   f"computed more than once {twice}, started more than once {report['started_more_than_once']}; "
-                  f"replicas serving at the end {serving}/{n}")
+                  f"replicas serving at the end {serving}/{n}; poison messages refused {refused} of "
+                  f"{report['poison_pushed']}")
     for error in report["errors"]:
         console.print(f"  failed: {error}")
     for o in outcomes:
@@ -218,7 +250,8 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, k
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     console.print(f"JSON: {out}")
-    sys.exit(0 if report["completed"] == count and twice == 0 and serving == n else 1)
+    sys.exit(0 if report["completed"] == count and twice == 0 and serving == n
+             and refused == report["poison_pushed"] else 1)
 
 
 if __name__ == "__main__":

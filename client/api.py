@@ -105,7 +105,7 @@ def live_replicas(timeout: float = 1.0, url: str | None = None) -> list[str]:
 
 def fetch_video(result: dict) -> bytes:
     """The MP4 bytes of a successful result, from whichever store the replica used."""
-    return _fetch(result["video_uri"], redis_url())
+    return _fetch(result["video_uri"], redis_url(), result.get("video_sha256"))
 
 
 def error_message(info) -> str:

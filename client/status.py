@@ -25,14 +25,20 @@ def replica_info(client, names) -> dict:
 
 
 def queue_head(client, queue: str = SETTINGS.queue) -> tuple[int, dict | None]:
-    """The queue's depth and the headers of the request a replica takes next (None when empty). kombu LPUSHes
-    and BRPOPs, and puts a requeued request back at the tail: the next request is at index -1, and it is also
-    the one that has waited longest (a requeued request keeps its first sending time)."""
+    """The queue's depth and the headers of the request a replica takes next (None when empty, {} when it is not
+    a request). kombu LPUSHes and BRPOPs, and puts a requeued request back at the tail: the next request is at
+    index -1, and it is also the one that has waited longest (a requeued request keeps its first sending time)."""
     pipe = client.pipeline()
     pipe.llen(queue)
     pipe.lindex(queue, -1)
     depth, raw = pipe.execute()
-    return depth, (json.loads(raw).get("headers") or {}) if raw else None
+    if raw is None:
+        return depth, None
+    try:  # anything can be pushed onto the queue; a replica refuses what is not a request, a reader shows none
+        headers = json.loads(raw).get("headers")
+    except (ValueError, AttributeError):
+        headers = None
+    return depth, headers if isinstance(headers, dict) else {}
 
 
 def waited_s(headers: dict | None, now: float) -> float | None:

@@ -26,6 +26,16 @@ class ImageInputError(InvalidRequest):
     """
 
 
+class FetchError(InvalidRequest):
+    """Raised when a URL a request carries cannot be fetched: refused by the fetch policy (a scheme other than
+    http(s), an address that is not public and not in REPLICADP_FETCH_ALLOW, too many redirects), over its byte
+    or time limit, an HTTP status other than 2xx, or no valid HTTP response. The message never repeats what the
+    remote side answered.
+
+    Fails the request. (For `image`, it reaches the caller as ImageInputError with the same message.)
+    """
+
+
 class PoisonRequest(ReplicaDPError):
     """Raised when a request has already started REPLICADP_MAX_ATTEMPTS times: each earlier attempt ended
     its replica's process (an OOM kill, a CUDA crash), so running it again would only kill another one.
@@ -68,3 +78,16 @@ class StoreError(ReplicaDPError):
 
     Fails the request.
     """
+
+
+class MessageRefused(ReplicaDPError):
+    """Raised when a message on a replica's queue is not a request it serves (not a JSON object, wrong or unknown
+    headers, an eta, callbacks, past a size bound): checked in the replica's main process before Celery reads it.
+
+    Fails the request when the message names one (a FAILURE result under its task id); the message is
+    acknowledged and recorded as dead (`replicadp:dead`), and the replica keeps serving.
+    """
+
+    def __init__(self, reason: str, task_id: str | None = None):
+        super().__init__(reason)
+        self.task_id = task_id

@@ -6,23 +6,26 @@ import base64
 import binascii
 import hashlib
 import io
-import urllib.request
 from pathlib import Path
+from typing import Callable, Sequence
 
-from .errors import ImageInputError
+from .errors import FetchError, ImageInputError
+from .fetch import fetch
 
 # A first frame has at most a few megapixels; anything larger is a decompression bomb, not a frame.
 MAX_PIXELS = 40_000_000
 
 
-def _read_bytes(image: str, max_bytes: int, timeout_s: int, image_dir: Path | None) -> bytes:
-    """Bytes behind `image`: an http(s) URL, a base64 data URI, raw base64, or a path under image_dir."""
+def _read_bytes(image: str, max_bytes: int, timeout_s: int, image_dir: Path | None, allow_nets: Sequence,
+                cancelled: Callable[[], bool] | None) -> bytes:
+    """Bytes behind `image`: an http(s) URL (fetch.py's policy), a base64 data URI, raw base64, or a path under
+    image_dir."""
     if image.startswith(("http://", "https://")):
         try:
-            with urllib.request.urlopen(image, timeout=timeout_s) as resp:
-                data = resp.read(max_bytes + 1)
-        except OSError as exc:
-            raise ImageInputError(f"image={image[:80]!r}: download failed: {exc}") from exc
+            data = fetch(image, max_bytes=max_bytes, deadline_s=timeout_s, allow_nets=allow_nets,
+                         cancelled=cancelled)
+        except FetchError as exc:
+            raise ImageInputError(str(exc)) from None
     elif image.startswith("data:"):
         header, _, payload = image.partition(",")
         if ";base64" not in header:
@@ -69,11 +72,12 @@ def _local(image_dir: Path, image: str, max_bytes: int) -> bytes:
 
 
 def load_first_frame(image: str, width: int, height: int, *, max_bytes: int, timeout_s: int,
-                     image_dir: Path | None):
-    """Return (PIL RGB image resized to width x height, sha256 of the source bytes)."""
+                     image_dir: Path | None, allow_nets: Sequence = (), cancelled: Callable[[], bool] | None = None):
+    """Return (PIL RGB image resized to width x height, sha256 of the source bytes). A URL may reach networks
+    that are not public only inside `allow_nets`; `cancelled()` True stops its download (RequestCancelled)."""
     from PIL import Image
 
-    data = _read_bytes(image, max_bytes, timeout_s, image_dir)
+    data = _read_bytes(image, max_bytes, timeout_s, image_dir, allow_nets, cancelled)
     try:
         with Image.open(io.BytesIO(data)) as probe:
             if probe.width * probe.height > MAX_PIXELS:

@@ -20,6 +20,14 @@ heartbeat at once, does not look like every replica dying.
 The delivery tag stays the same when kombu redelivers a message, so the tag alone cannot tell two deliveries
 apart: the fence lock carries `<replica>:<pid>:<task id>`, and a delivery that finds the lock held by a live
 other waits for that one's result instead of computing its own.
+
+Who renews what. The heartbeat and the holders: the main process, which holds the messages. The fence: both the
+pool child computing the request (a thread, `FenceKeeper`, and every denoising step) and its main process. So
+the fence lapses only when both are gone or stopped: a stopped main process lets its message be requeued, but
+the copy waits on the fence that the child keeps and gets the child's result; a stopped child's fence is kept by
+its main process, which still holds the message. When both stop for longer than a lease, the copy takes the
+fence and computes; the stopped child, once resumed, finds the fence another's at its next step or, past the
+last step, right before it stores, and exits without storing (see tasks.py).
 """
 
 from __future__ import annotations
@@ -38,9 +46,10 @@ TICK_S = 1.0  # renewal and sweep period: a lease of 6 s survives 5 missed ticks
 UNACKED_KEY = "unacked"  # kombu's hash of delivered, unacknowledged messages (tag -> message)
 UNACKED_INDEX_KEY = "unacked_index"  # kombu's sorted set of the same tags, scored by delivery time
 
-# Take the lock if free; else say who owns it (atomically: it cannot expire between the two).
+# Take the lock if free, or renew it if ours; else say who owns it (atomically: it cannot expire in between).
 _ACQUIRE = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'acquired' end "
-            "local owner = redis.call('get', KEYS[1]) if owner == ARGV[1] then return 'held' end return owner")
+            "local owner = redis.call('get', KEYS[1]) "
+            "if owner == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 'held' end return owner")
 # Renew the lock only while we own it; release it only if we still own it.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -76,6 +85,31 @@ def acquire_unless(r: redis.Redis, key: str, tok: str, lease_s: int, cancel_key:
 
 def release(r: redis.Redis, key: str, tok: str) -> None:
     r.eval(_RELEASE, 1, key, tok)
+
+
+class FenceKeeper:
+    """In the pool child: renews the fence of the request it computes every TICK_S, from a thread, so that the
+    fence outlives a stopped main process (between steps, and through decoding and encoding, which report no
+    steps). Its own connection, short timeouts: a renewal that fails is retried at the next tick."""
+
+    def __init__(self, url: str, lease_s: int):
+        self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.lease_s = lease_s
+        self.current: tuple[str, str] | None = None  # (fence key, token) of the request being computed
+
+    def run(self) -> None:
+        failing = False
+        while True:
+            current = self.current
+            if current is not None:
+                try:
+                    self.redis.eval(_RENEW, 1, current[0], current[1], self.lease_s * 1000)
+                    failing = False
+                except redis.RedisError as exc:
+                    if not failing:  # once per outage, not once a second
+                        log.warning("lease: cannot renew the fence %s: %s", current[0], exc)
+                    failing = True
+            time.sleep(TICK_S)
 
 
 def _snapshot(requests) -> list:

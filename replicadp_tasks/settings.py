@@ -4,6 +4,7 @@ and take their values from here."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from dataclasses import dataclass
@@ -33,6 +34,19 @@ def _bool(name: str, default: bool) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+def _networks(name: str) -> tuple:
+    """Comma-separated CIDRs, e.g. `10.0.0.0/8,fd00::/8`; unset or empty: none."""
+    nets = []
+    for part in os.environ.get(name, "").split(","):
+        if part.strip():
+            try:
+                nets.append(ipaddress.ip_network(part.strip()))
+            except ValueError as exc:
+                raise SystemExit(f"replicadp: environment variable {name}: {part.strip()!r} is not a network "
+                                 f"({exc})") from None
+    return tuple(nets)
 
 
 def _redis_url() -> str:
@@ -66,8 +80,10 @@ class Settings:
     max_work: int
     max_attempts: int
     lease_s: int
+    redis_outage_s: int
     max_image_bytes: int
     image_timeout_s: int
+    fetch_allow: tuple
     image_dir: Path | None
     model_cache: Path
 
@@ -122,10 +138,16 @@ class Settings:
             # A replica whose heartbeat is this many seconds old is dead: its requests go back to the queue.
             # Renewed every second by the replica's main process (not the busy child), so 5 ticks may be missed.
             lease_s=_int("REPLICADP_LEASE", 6),
+            # A replica waits this long for Redis to come back before it fails the request it serves (its result is
+            # kept meanwhile: computing a 5B request again costs minutes); a Redis restart takes seconds.
+            redis_outage_s=_int("REPLICADP_REDIS_OUTAGE", 300),
             # A first frame is at most a few MB; larger inputs are refused before decoding.
             max_image_bytes=_int("REPLICADP_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
-            # A slow image server must not hold a GPU.
+            # A slow image server must not hold a GPU: seconds for the whole download, all redirects included.
             image_timeout_s=_int("REPLICADP_IMAGE_TIMEOUT", 10),
+            # Networks a request's URL may reach although they are not public (loopback, private, link-local,
+            # ...): none, so that a request cannot make a replica read the services of its own host or network.
+            fetch_allow=_networks("REPLICADP_FETCH_ALLOW"),
             # Local image paths are refused unless they lie under this folder.
             image_dir=Path(image_dir).resolve() if image_dir else None,
             # Where `tiny` models are built on first use; shared by the replicas of a host.

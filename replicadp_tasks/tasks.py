@@ -13,6 +13,7 @@ from .errors import InvalidRequest, PoisonRequest, RequestCancelled, RequestIdCo
 from .images import load_first_frame
 from .pipeline import describe_device
 from .settings import SETTINGS
+from .transport import STATS_KEY
 from .validate import input_key, validate_request
 from .video import encode_mp4, frames_sha256
 
@@ -31,7 +32,7 @@ def generate(self, prompt=None, **kwargs):
         raise RequestCancelled(f"request {self.request.id} was cancelled before it started")
     attempt = worker.start_attempt(self.request.id)
     if attempt > SETTINGS.max_attempts:
-        worker.record_dead(self.request.id, {"prompt": prompt, **kwargs}, attempt - 1)
+        worker.record_poison(self.request.id, {"prompt": prompt, **kwargs}, attempt - 1)
         raise PoisonRequest(f"request {self.request.id} ended its replica's process {attempt - 1} times; not "
                             f"retried again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
     pipeline = worker.holder()
@@ -45,7 +46,8 @@ def generate(self, prompt=None, **kwargs):
                                  "takes no first frame")
         image, image_sha256 = load_first_frame(
             req.image, req.width, req.height, max_bytes=SETTINGS.max_image_bytes,
-            timeout_s=SETTINGS.image_timeout_s, image_dir=SETTINGS.image_dir)
+            timeout_s=SETTINGS.image_timeout_s, image_dir=SETTINGS.image_dir, allow_nets=SETTINGS.fetch_allow,
+            cancelled=lambda: worker.cancelled(self.request.id))
     params = req.params(image_sha256)
     key = input_key(params, SETTINGS.model)
 
@@ -58,9 +60,11 @@ def generate(self, prompt=None, **kwargs):
         if done["input_key"] != key:
             raise RequestIdConflict(f"request_id={request_id!r}: already used for different inputs")
         return {**done, "redelivered": True}
+    worker.fences().current = (fence, tok)
     try:
         return compute(self, req, image, params, key, request_id, replica, fence, tok, started)
     finally:
+        worker.fences().current = None
         lease.release(worker.redis_client(), fence, tok)
 
 
@@ -89,17 +93,22 @@ def compute(task, req, image, params, key, request_id, replica, fence, tok, star
 
     reported = 0.0  # when PROGRESS was last written
 
-    def progress(step, total):
-        nonlocal reported
-        # Cancelled? Still ours? A Redis restart may have expired the fence (take it again); if another delivery
-        # holds it, this one was presumed dead: stop computing, and requeue rather than ack (the shared delivery
-        # tag would otherwise acknowledge the other's message).
-        owner = lease.acquire_unless(r, fence, tok, SETTINGS.lease_s, worker.CANCEL_KEY + task.request.id)
-        if owner == "cancelled":
-            raise RequestCancelled(f"request {task.request.id} was cancelled at step {step} of {total}")
+    def still_ours(owner: str) -> None:
+        # A Redis restart may have expired the fence (taken again: "acquired"). If another delivery holds it, or
+        # held it and stored the result, this one was presumed dead (its replica stopped past a lease): stop, and
+        # requeue rather than ack (the shared delivery tag would otherwise acknowledge the other's message).
+        if owner == "acquired" and store.get_meta(request_id) is not None:
+            owner = "a delivery that stored its result"
         if owner not in ("acquired", "held"):
             log.error("request %s: fence taken by %s; this delivery stops and its process exits", request_id, owner)
             os._exit(75)
+
+    def progress(step, total):
+        nonlocal reported
+        owner = lease.acquire_unless(r, fence, tok, SETTINGS.lease_s, worker.CANCEL_KEY + task.request.id)
+        if owner == "cancelled":
+            raise RequestCancelled(f"request {task.request.id} was cancelled at step {step} of {total}")
+        still_ours(owner)
         if time.monotonic() - reported >= PROGRESS_EVERY_S:
             reported = time.monotonic()
             task.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
@@ -132,8 +141,9 @@ def compute(task, req, image, params, key, request_id, replica, fence, tok, star
         "execution": tok,
         "redelivered": bool(task.request.delivery_info.get("redelivered")),
     }
+    still_ours(lease.acquire(r, fence, tok, SETTINGS.lease_s))  # decoding and encoding check no fence
     stored = store.put(request_id, video, meta)
     if stored["execution"] != tok:  # another delivery computed it too: fenced wrongly, or an old result
-        r.hincrby(worker.STATS_KEY, "duplicate_executions", 1)
+        r.hincrby(STATS_KEY, "duplicate_executions", 1)
     worker.record_completion(request_id)
     return stored

@@ -28,21 +28,20 @@ from kombu.exceptions import OperationalError
 from kombu.transport import virtual
 
 from .app import app
-from .lease import Keeper
+from .lease import FenceKeeper, Keeper
 from .pipeline import PipelineHolder, describe_device
 from .settings import SETTINGS
 from .store import open_store, outage_tolerant
+from .transport import STANDBY_PREFIX, record_dead
 
 log = logging.getLogger("replicadp")
 
 REPLICA_KEY = "replicadp:replica:"  # + node name: what each replica serves (for `replicadp status`)
 COMPLETED_KEY = "replicadp:completed"  # request_id -> completion time, the last hour (recent throughput)
 ATTEMPTS_KEY = "replicadp:attempts:"  # + task id: how many times a delivery of it has started
-DEAD_KEY = "replicadp:dead"  # JSON records of requests failed as poison, newest first
 CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request
-STATS_KEY = "replicadp:stats"  # counters: duplicate_executions (a second delivery computed a stored result)
 _state: dict = {"name": None, "holder": None, "store": None, "redis": None, "keeper": None, "consumer": None,
-                "stopping": None}
+                "stopping": None, "fences": None}
 
 
 def holder() -> PipelineHolder:
@@ -55,6 +54,11 @@ def store():
     return _state["store"]
 
 
+def fences() -> FenceKeeper:
+    """The pool child's renewer of the fence it computes under."""
+    return _state["fences"]
+
+
 def start_attempt(task_id: str) -> int:
     """Count one more start of this task (redeliveries keep the task id); returns the count."""
     key = ATTEMPTS_KEY + task_id
@@ -64,9 +68,9 @@ def start_attempt(task_id: str) -> int:
     return pipe.execute()[0]
 
 
-def record_dead(task_id: str, kwargs: dict, attempts: int) -> None:
-    record = {"task_id": task_id, "kwargs": kwargs, "attempts": attempts, "at": time.time()}
-    _state["redis"].lpush(DEAD_KEY, json.dumps(record, default=repr))
+def record_poison(task_id: str, kwargs: dict, attempts: int) -> None:
+    record_dead(_state["redis"], {"task_id": task_id, "reason": f"poison: ended its replica's process {attempts} "
+                                  "times", "kwargs": kwargs, "attempts": attempts})
 
 
 def redis_client() -> redis.Redis:
@@ -90,7 +94,7 @@ def _start_on_standby(sender, instance, conf, **_):
     """In the main process, before it consumes: listen only on this replica's standby queue."""
     _state["name"] = sender
     _state["stopping"] = multiprocessing.RawValue("b", 0)  # shared memory: pool children see it set
-    conf.task_queues = [Queue(f"replicadp.standby.{sender}")]
+    conf.task_queues = [Queue(STANDBY_PREFIX + sender)]
 
 
 @signals.worker_shutting_down.connect
@@ -176,7 +180,8 @@ def _load_then_consume(**_):
                               deterministic=SETTINGS.deterministic)
     try:
         pipeline.load()
-        _state["store"] = open_store(SETTINGS.store, SETTINGS.output_dir, SETTINGS.redis_url, SETTINGS.store_ttl_s)
+        _state["store"] = open_store(SETTINGS.store, SETTINGS.output_dir, SETTINGS.redis_url, SETTINGS.store_ttl_s,
+                                     SETTINGS.redis_outage_s)
     except Exception:
         # A replica that cannot load its model must not serve: stop the whole worker so that its
         # supervisor sees the failure, instead of the pool restarting this child in a loop.
@@ -188,7 +193,9 @@ def _load_then_consume(**_):
             "size_multiple": pipeline.size_multiple, "accepts_image": pipeline.accepts_image,
             "attention": SETTINGS.attention, "compile": SETTINGS.compile, "deterministic": SETTINGS.deterministic,
             "pid": os.getpid(), "load_s": round(time.time() - started, 3), "loaded_at": time.time()}
-    _state["redis"] = outage_tolerant(SETTINGS.redis_url)
+    _state["redis"] = outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s)
+    _state["fences"] = FenceKeeper(SETTINGS.redis_url, SETTINGS.lease_s)
+    threading.Thread(target=_state["fences"].run, name="replicadp-fence", daemon=True).start()
     log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
     # Publish what this replica serves, then ask the main process, which answers control commands from its
     # event loop (it may not run yet), to consume the shared queue. Redis may be down or restarting: wait it

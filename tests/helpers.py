@@ -4,6 +4,8 @@ rather than takes from the speed of the machine."""
 import math
 import time
 
+from celery import states
+
 from replicadp_tasks.pipeline import REFERENCE_WORK
 from replicadp_tasks.validate import MAX_STEPS
 
@@ -19,6 +21,28 @@ def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2)
         if time.monotonic() >= deadline:
             raise TimeoutError(f"waited {timeout:g} s for {what}; last seen: {value!r:.300}")
         time.sleep(interval)
+
+
+def parent_of(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def progress(app, task_id: str, what: str) -> dict | None:
+    """The PROGRESS info of `task_id`, None before it runs; an error if it ended first (too short a request)."""
+    meta = app.backend.get_task_meta(task_id)
+    assert meta["status"] not in states.READY_STATES, f"{task_id} ended ({meta['status']}) before {what}"
+    return meta["result"] if meta["status"] == "PROGRESS" else None
+
+
+def wait_for_step(group, task_id: str, step: int) -> dict:
+    """The PROGRESS info of `task_id` once it has reached `step`."""
+    what = f"{task_id} to reach step {step}"
+
+    def reached():
+        info = progress(group.app, task_id, what)
+        return info if info and info["step"] >= step else None
+
+    return wait_for(reached, what, interval=0.01)
 
 
 # Replicas of the synthetic benchmark backend spend a set time per denoising step, whatever the machine, and run

@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import redis
-from celery import states
 
 from client.api import _app_for, live_replicas
 from conftest import run_client_on, start_replicas
-from helpers import SYNTHETIC, lasting, tiny_request_lasting, wait_for
+from helpers import SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_step
 from replicadp_tasks.errors import PoisonRequest
 from replicadp_tasks.lease import LOCK_KEY
-from replicadp_tasks.worker import ATTEMPTS_KEY, DEAD_KEY, REPLICA_KEY, STATS_KEY
+from replicadp_tasks.transport import DEAD_KEY, STATS_KEY
+from replicadp_tasks.worker import ATTEMPTS_KEY, REPLICA_KEY
 
 # What a replica serves after a fault: a small request (two steps, 0.5 s, on the synthetic backend).
 SHORT = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
@@ -39,28 +39,6 @@ def synthetic(redis_db):
 
 def send(group, request: dict):
     return group.app.send_task("replicadp.generate", kwargs=request)
-
-
-def parent_of(pid: int) -> int:
-    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-
-
-def progress(app, task_id: str, what: str) -> dict | None:
-    """The PROGRESS info of `task_id`, None before it runs; an error if it ended first (too short a request)."""
-    meta = app.backend.get_task_meta(task_id)
-    assert meta["status"] not in states.READY_STATES, f"{task_id} ended ({meta['status']}) before {what}"
-    return meta["result"] if meta["status"] == "PROGRESS" else None
-
-
-def wait_for_step(group, task_id: str, step: int) -> dict:
-    """The PROGRESS info of `task_id` once it has reached `step`."""
-    what = f"{task_id} to reach step {step}"
-
-    def reached():
-        info = progress(group.app, task_id, what)
-        return info if info and info["step"] >= step else None
-
-    return wait_for(reached, what, interval=0.01)
 
 
 def running_pid(group, task_id: str, not_pids=()) -> int:
@@ -337,6 +315,31 @@ def test_redis_killed_and_restarted_loses_nothing(tmp_path):
     assert sorted(o.result["params"]["seed"] for o in outcomes) == list(range(6))
     print(f"\nstarts per request: {starts}; computed twice: {duplicates}")
     assert duplicates == 0
+
+
+def test_result_computed_during_a_long_redis_outage_is_kept(tmp_path):
+    """Redis killed while two requests run and kept down for 40 s (longer than the ~30 s a replica used to wait,
+    less than REPLICADP_REDIS_OUTAGE=120): both replicas finish computing meanwhile, keep their results, and
+    deliver them when Redis is back; nothing is computed twice."""
+    from client.embedded import EmbeddedServer
+
+    server = EmbeddedServer(tmp_path / "redis")
+    url = server.start()
+    group = start_replicas(2, url, "long-outage", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path / "out"),
+                           REPLICADP_REDIS_OUTAGE="120")
+    app = _app_for(url)
+    try:
+        results = [send(SimpleNamespace(app=app), lasting(3, seed=s)) for s in range(2)]
+        for r in results:
+            wait_for_step(SimpleNamespace(app=app), r.id, 1)
+        server = restart_redis(server, tmp_path / "redis", down_s=40)
+        values = [r.get(timeout=150) for r in results]
+        duplicates = int(redis.Redis.from_url(url).hget(STATS_KEY, "duplicate_executions") or 0)
+    finally:
+        group.stop()
+        server.stop()
+    assert sorted(v["params"]["seed"] for v in values) == [0, 1]
+    assert {v["replica"] for v in values} == set(group.names) and duplicates == 0
 
 
 def children_of(pid: int) -> set[int]:

@@ -4,6 +4,7 @@ import base64
 import collections
 import http.server
 import io
+import ipaddress
 import socket
 import threading
 import uuid
@@ -30,8 +31,9 @@ def png_bytes(size=(40, 30), mode="RGB") -> bytes:
     return buf.getvalue()
 
 
-def frame(image, image_dir=None, max_bytes=1_000_000, timeout_s=2):
-    return load_first_frame(image, 64, 64, max_bytes=max_bytes, timeout_s=timeout_s, image_dir=image_dir)
+def frame(image, image_dir=None, max_bytes=1_000_000, timeout_s=2, allow_nets=()):
+    return load_first_frame(image, 64, 64, max_bytes=max_bytes, timeout_s=timeout_s, image_dir=image_dir,
+                            allow_nets=allow_nets)
 
 
 # --- the wire -------------------------------------------------------------------------------------------
@@ -103,13 +105,15 @@ def test_image_size_limits():
 
 
 def test_image_download_timeout_and_success():
-    """A server that never answers fails the image after the timeout; a real one serves the frame."""
+    """A server that never answers fails the image after the timeout; a real one serves the frame (both on
+    loopback, allowed here: tests/test_fetch.py proves it refused by default)."""
+    loopback = [ipaddress.ip_network("127.0.0.0/8")]
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()
     try:
-        with pytest.raises(ImageInputError, match="download failed"):
-            frame(f"http://127.0.0.1:{silent.getsockname()[1]}/x.png", timeout_s=1)
+        with pytest.raises(ImageInputError, match=r"took longer than 1 s \(REPLICADP_IMAGE_TIMEOUT\)"):
+            frame(f"http://127.0.0.1:{silent.getsockname()[1]}/x.png", timeout_s=1, allow_nets=loopback)
     finally:
         silent.close()
     body = png_bytes()
@@ -126,7 +130,7 @@ def test_image_download_timeout_and_success():
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        img, _ = frame(f"http://127.0.0.1:{server.server_port}/x.png")
+        img, _ = frame(f"http://127.0.0.1:{server.server_port}/x.png", allow_nets=loopback)
         assert img.size == (64, 64)
     finally:
         server.shutdown()

@@ -1,0 +1,218 @@
+"""Fetching a URL that a request carries (the `image` first frame): http(s) only, to public addresses unless
+the operator allows a network, within one total deadline and a byte bound, cancellable, and with errors that
+never repeat what the remote side answered (no service behind an allowed address can be read or told apart
+through them)."""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import logging
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from typing import Callable, Sequence
+
+from .errors import FetchError, RequestCancelled
+
+log = logging.getLogger("replicadp")
+
+MAX_REDIRECTS = 5
+REDIRECTS = (301, 302, 303, 307, 308)
+# How often the waiting thread checks the deadline and `cancelled()` (a Redis read each time).
+POLL_S = 0.25
+CHUNK = 64 * 1024
+# Every failure of the remote side reads the same: refused, reset, not HTTP, a bad certificate, a banner.
+FAILED = "download failed: no valid HTTP response"
+SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT; Python's is_private leaves it out
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence = (),
+          cancelled: Callable[[], bool] | None = None, field: str = "image",
+          bytes_setting: str = "REPLICADP_MAX_IMAGE_BYTES", deadline_setting: str = "REPLICADP_IMAGE_TIMEOUT") -> bytes:
+    """The body behind `url`, at most `max_bytes`, within `deadline_s` in all (DNS, connect, headers, body, every
+    redirect). Addresses that are not public are refused unless they lie in `allow_nets` (ip_network objects).
+    `cancelled()` is polled every POLL_S; True raises RequestCancelled. Errors name `field` and the setting that
+    bounds what was exceeded; any other failure raises FetchError."""
+    label = f"{field}={url[:80]!r}"
+    end = time.monotonic() + deadline_s
+    download = _Download(url, label, max_bytes, allow_nets, bytes_setting, end)
+    # The download runs in a thread of its own, so that this one answers at the deadline or a cancel whatever
+    # the download is blocked in (a DNS lookup, a server sending a byte now and then); abort() then shuts its
+    # socket down so that it stops too.
+    runner = threading.Thread(target=download.run, name="replicadp-fetch", daemon=True)
+    runner.start()
+    try:
+        while True:
+            runner.join(max(0.0, min(POLL_S, end - time.monotonic())))
+            if not runner.is_alive():
+                break
+            if cancelled is not None and cancelled():
+                raise RequestCancelled(f"{label}: cancelled during the download")
+            if time.monotonic() >= end:
+                raise FetchError(f"{label}: took longer than {deadline_s:g} s ({deadline_setting})")
+    finally:
+        download.abort()
+    if download.error is not None:
+        raise download.error
+    return download.body
+
+
+class _Download:
+    """One fetch, hop by hop, in the runner thread; its outcome in `body` or `error`."""
+
+    def __init__(self, url: str, label: str, max_bytes: int, allow_nets: Sequence, bytes_setting: str, end: float):
+        self.url, self.label, self.max_bytes, self.allow_nets = url, label, max_bytes, tuple(allow_nets)
+        self.bytes_setting, self.end = bytes_setting, end
+        self.body: bytes = b""
+        self.error: FetchError | None = None
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._guard: socket.socket | None = None  # a dup of the connection's socket, for abort()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            if self._guard is not None:
+                _shut(self._guard)
+
+    def run(self) -> None:
+        try:
+            self.body = self._follow()
+        except FetchError as exc:
+            self.error = exc
+        except Exception as exc:  # whatever the remote side did; logged for the operator, never sent back
+            log.info("%s: %s: %r", self.label, FAILED, exc)
+            self.error = FetchError(f"{self.label}: {FAILED}")
+
+    def _follow(self) -> bytes:
+        url = self.url
+        for hop in range(MAX_REDIRECTS + 1):
+            # A redirect's target came from the remote side: named by its number, never echoed.
+            where = f"redirect {hop}: " if hop else ""
+            status, location, body = self._get(url, where, hop)
+            if status not in REDIRECTS:
+                return body
+            if location is None:
+                raise FetchError(f"{self.label}: {where}HTTP status {status} without a Location")
+            url = urllib.parse.urljoin(url, location)
+        raise FetchError(f"{self.label}: more than {MAX_REDIRECTS} redirects")
+
+    def _get(self, url: str, where: str, hop: int) -> tuple[int, str | None, bytes]:
+        """One request: (status, Location, body); the body only of a 2xx answer."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise FetchError(f"{self.label}: {where}scheme not allowed; only http and https")
+        try:
+            host, port = parts.hostname, parts.port
+            if port is None:
+                port = 443 if parts.scheme == "https" else 80
+            if not host:
+                raise ValueError("no host")
+            ascii_host = host.encode("idna").decode("ascii")
+        except (ValueError, UnicodeError):
+            raise FetchError(f"{self.label}: {where}not a valid URL") from None
+        named = f"host {host[:80]!r}" if hop == 0 else "its host"
+        try:
+            infos = socket.getaddrinfo(ascii_host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            raise FetchError(f"{self.label}: {where}{named} does not resolve") from None
+        for info in infos:  # every address: a name with one public and one internal address is refused
+            refusal = _refusal(info[4][0], self.allow_nets)
+            if refusal:
+                raise FetchError(f"{self.label}: {where}address {info[4][0]} of {named} is {refusal}, not "
+                                 "allowed (REPLICADP_FETCH_ALLOW)")
+        sock = self._connect(infos)
+        try:
+            if parts.scheme == "https":
+                # Verified against the URL's host name; the address was checked above and is not looked up again.
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=ascii_host)
+            return self._exchange(sock, parts, ascii_host, port, where)
+        finally:
+            with self._lock:  # shut down, not only closed: http.client's response still holds the socket's file
+                _shut(self._guard)
+                self._guard.close()
+                self._guard = None
+            sock.close()
+
+    def _connect(self, infos) -> socket.socket:
+        """A socket connected to one of the checked addresses (none looked up again: no DNS rebinding)."""
+        error = None
+        for family, type_, proto, _, sockaddr in infos:
+            sock = socket.socket(family, type_, proto)
+            # Per operation, so that the thread ends soon after the deadline even where abort() cannot reach
+            # (a connect in progress); the deadline itself is fetch()'s.
+            sock.settimeout(max(0.05, self.end - time.monotonic()))
+            with self._lock:
+                if self._aborted:
+                    sock.close()
+                    raise FetchError(f"{self.label}: aborted")
+                self._guard = sock.dup()  # shutdown() on it stops the connection, even once wrapped in TLS
+            try:
+                sock.connect(sockaddr)
+                return sock
+            except OSError as exc:
+                error = exc
+                sock.close()
+                with self._lock:
+                    self._guard.close()
+                    self._guard = None
+        raise error  # run() logs it and answers FAILED
+
+    def _exchange(self, sock, parts, ascii_host: str, port: int, where: str) -> tuple[int, str | None, bytes]:
+        default = 443 if parts.scheme == "https" else 80
+        host_header = f"[{ascii_host}]" if ":" in ascii_host else ascii_host
+        if port != default:
+            host_header += f":{port}"
+        conn = http.client.HTTPConnection(ascii_host, port)
+        conn.sock = sock  # already connected (and wrapped): http.client must not connect by itself
+        try:
+            conn.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
+                         headers={"Host": host_header, "User-Agent": "replicadp", "Accept": "*/*",
+                                  "Connection": "close"})
+        except http.client.InvalidURL:
+            raise FetchError(f"{self.label}: {where}not a valid URL") from None
+        resp = conn.getresponse()
+        if resp.status in REDIRECTS:
+            return resp.status, resp.getheader("Location"), b""
+        if not 200 <= resp.status < 300:
+            raise FetchError(f"{self.label}: {where}HTTP status {resp.status}")
+        too_big = FetchError(f"{self.label}: more than {self.max_bytes} bytes ({self.bytes_setting})")
+        if resp.length is not None and resp.length > self.max_bytes:
+            raise too_big
+        body = bytearray()
+        while chunk := resp.read(min(CHUNK, self.max_bytes + 1 - len(body))):
+            body += chunk
+            if len(body) > self.max_bytes:
+                raise too_big
+        return resp.status, None, bytes(body)
+
+
+def _refusal(address: str, allow_nets: tuple) -> str | None:
+    """Why `address` may not be fetched from, or None: public, or inside an allowed network."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 scope id is no part of the address
+    if ip.version == 6:
+        # An IPv4 address carried inside an IPv6 one is the IPv4 host.
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+                                                      if ip in NAT64 else None)
+        ip = embedded or ip
+    if any(ip in net for net in allow_nets):
+        return None
+    for reason, internal in (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),
+                             ("link-local", ip.is_link_local), ("multicast", ip.is_multicast),
+                             ("shared address space", ip in SHARED),
+                             ("reserved", ip.is_reserved), ("private", ip.is_private),
+                             ("not globally routable", not ip.is_global)):
+        if internal:
+            return reason
+    return None
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected yet, or already closed
+        pass

@@ -1,0 +1,82 @@
+"""kombu's Redis transport, with every message a replica pops from a request queue checked (message.py) before
+Celery reads it. A refused message is consumed here: recorded as dead with its reason, counted, and failed
+under its task id when it has one, so that its client gets an answer; the replica's main process goes on.
+
+The check sits on the BRPOP reply (redis-py's response callback of the channel's client), the one place that
+holds the raw bytes of every message the worker consumes; a refusal reads as an empty poll to kombu.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from kombu.transport import redis as kombu_redis
+
+from . import message
+from .errors import MessageRefused
+from .settings import SETTINGS
+
+log = logging.getLogger("replicadp")
+
+STANDBY_PREFIX = "replicadp.standby."  # + replica name: the private queue a replica starts on (worker.py)
+DEAD_KEY = "replicadp:dead"  # JSON records of requests failed as poison or refused, newest first
+DEAD_KEEP = 1000  # records kept: the reasons of recent failures, bounded however much garbage arrives
+STATS_KEY = "replicadp:stats"  # counters: duplicate_executions, refused_messages
+RAW_KEEP_CHARS = 500  # of a refused message, in its record: enough to recognise it
+
+
+def record_dead(client, record: dict) -> None:
+    """Add a dead-letter record (a request failed as poison, or a message refused), newest first."""
+    pipe = client.pipeline()
+    pipe.lpush(DEAD_KEY, json.dumps({**record, "at": time.time()}, default=repr))
+    pipe.ltrim(DEAD_KEY, 0, DEAD_KEEP - 1)
+    pipe.execute()
+
+
+def refuse(raw: bytes, exc: MessageRefused, queue: str) -> None:
+    """Record, count and answer a refused message (the main process: Celery's result backend is at hand)."""
+    from .app import app
+
+    log.error("refused a message on queue %r (task id %r): %s", queue, exc.task_id, exc)
+    try:
+        client = app.backend.client
+        record_dead(client, {"task_id": exc.task_id, "reason": f"refused: {exc}", "queue": queue,
+                             "raw": raw[:RAW_KEEP_CHARS].decode("utf-8", "replace")})
+        client.hincrby(STATS_KEY, "refused_messages", 1)
+        if exc.task_id is not None:
+            app.backend.mark_as_failure(exc.task_id, exc)
+    except Exception:  # Redis just went away: the message is gone either way, and this process must go on
+        log.exception("cannot record the refused message (task id %r)", exc.task_id)
+
+
+def serves(queue: str) -> bool:
+    """Whether `queue` carries requests (else: a control reply a client waits for, which is not checked)."""
+    return queue == SETTINGS.queue or queue.startswith(STANDBY_PREFIX)
+
+
+class Channel(kombu_redis.Channel):
+    def _create_client(self, asynchronous=False):
+        client = super()._create_client(asynchronous)
+        if asynchronous:  # the client that BRPOPs
+            client.set_response_callback("BRPOP", self._checked)
+        return client
+
+    def _checked(self, reply):
+        """redis-py's BRPOP callback: (queue key, message) if the message may go on to Celery, else None."""
+        if not reply:
+            return None
+        key, raw = reply
+        queue = key.decode().rsplit(self.sep, 1)[0]  # a priority level's list is `<queue><sep><level>`
+        if serves(queue):
+            try:
+                message.check(raw)
+            except MessageRefused as exc:
+                refuse(raw, exc, queue)
+                return None
+        return tuple(reply)
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
