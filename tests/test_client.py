@@ -1,5 +1,6 @@
 """The producer side through the `replicadp` command, as a user runs it, against real replicas."""
 
+import codecs
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from client.api import run_requests
+from client.submit import BatchFileError, read_batch
 from conftest import SESSION_DIR, start_replicas
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
@@ -152,3 +154,78 @@ def test_status_lists_the_live_replicas(replicas, redis_server):
     for name in replicas.names:
         assert name in run.stdout
     assert "tiny" in run.stdout and "waiting" in run.stdout
+
+
+# --- batch files that could be read more than one way: refused, naming the line, rather than guessed at ------
+
+def batch_file(tmp_path, data: bytes, name: str = "batch.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def test_a_jsonl_batch_with_a_byte_order_mark_is_jsonl(tmp_path):
+    """A UTF-8 byte order mark (Windows editors write one) does not turn a JSONL batch into a text batch whose
+    prompt is the JSON line: its requests are read as written, also after blank lines, and a mark that starts
+    a later line (a file appended to another) is dropped too."""
+    line = json.dumps({"prompt": "a fox", "height": 64, "width": 64}) + "\n"
+    for data in (codecs.BOM_UTF8 + line.encode(), ("\n  \n\t\n" + line).encode(),
+                 (line + "\ufeff" + line.replace("fox", "whale")).encode()):
+        batch = read_batch(batch_file(tmp_path, data))
+        assert [kw["prompt"] for _, kw in batch][:1] == ["a fox"] and batch[0][1]["height"] == 64, batch
+    assert [n for n, _ in read_batch(batch_file(tmp_path, ("\n  \n\t\n" + line).encode()))] == [4]
+
+
+def test_a_batch_that_is_not_utf8_is_refused_naming_the_byte_and_line(tmp_path):
+    """Latin-1 (after a byte order mark or not) or UTF-16 bytes are refused naming the file, the byte, its
+    offset in the file and its line, instead of a traceback or a guess."""
+    latin1 = '{"prompt": "a"}\n{"prompt": "café"}\n'.encode("latin-1")
+    for data in (latin1, codecs.BOM_UTF8 + latin1):
+        path = batch_file(tmp_path, data)
+        with pytest.raises(BatchFileError) as err:
+            read_batch(path)
+        offset = data.index("é".encode("latin-1"))
+        assert str(err.value) == f"{path}: not UTF-8: byte 0xe9 at byte offset {offset} (line 2); save the batch " \
+                                 "file as UTF-8"
+    with pytest.raises(BatchFileError, match="UTF-16 byte order mark"):
+        read_batch(batch_file(tmp_path, '{"prompt": "a"}\n'.encode("utf-16")))
+
+
+def test_a_text_batch_with_lines_that_look_like_json_is_refused(tmp_path):
+    """In a text batch (its first line does not start with '{'), a line that starts with '{', valid JSON or
+    not, or that is a JSON array, is refused by line number: the file was meant as JSONL, or is broken. A
+    prompt that merely starts with '[' is a prompt; an empty file is refused."""
+    path = batch_file(tmp_path, b'a fox\n{"prompt": "x"}\n{not json\n[{"prompt": "y"}]\n[cinematic] a whale\n',
+                      "prompts.txt")
+    with pytest.raises(BatchFileError) as err:
+        read_batch(path)
+    bad = [line.split(":")[0] for line in str(err.value).splitlines()[1:]]
+    assert bad == ["line 2", "line 3", "line 4"] and "looks like JSON in a text batch" in str(err.value)
+    assert read_batch(batch_file(tmp_path, b"a fox\n[cinematic] a whale\n", "ok.txt"))[1][1]["prompt"] == \
+        "[cinematic] a whale"
+    with pytest.raises(BatchFileError, match="no requests"):
+        read_batch(batch_file(tmp_path, b" \n\n", "blank.txt"))
+
+
+def test_a_jsonl_key_given_twice_is_refused(tmp_path):
+    """A JSONL line with a key twice (json.loads would silently keep the last) is refused, naming line and key."""
+    with pytest.raises(BatchFileError) as err:
+        read_batch(batch_file(tmp_path, b'{"prompt": "a"}\n{"prompt": "b", "seed": 1, "seed": 2}\n'))
+    assert str(err.value).endswith("line 2: key 'seed' given twice; give each argument once")
+
+
+def test_a_line_separator_inside_a_json_string_does_not_split_the_line(tmp_path):
+    """Lines end at \\n, \\r\\n or \\r only: U+2028 inside a JSON string (json.dumps(ensure_ascii=False)
+    writes it as is) keeps its line whole and numbered as an editor numbers it."""
+    lines = [json.dumps({"prompt": "one\u2028two"}, ensure_ascii=False), json.dumps({"prompt": "three"})]
+    batch = read_batch(batch_file(tmp_path, "\r\n".join(lines).encode()))
+    assert [(n, kw["prompt"]) for n, kw in batch] == [(1, "one\u2028two"), (2, "three")]
+
+
+def test_submit_refuses_a_batch_that_is_not_utf8_without_a_traceback(tmp_path):
+    """`replicadp submit` on a Latin-1 file exits 1 with the error naming the file and line, no traceback, and
+    before it needs Redis."""
+    path = batch_file(tmp_path, "a fox\ncafé\n".encode("latin-1"), "prompts.txt")
+    run = cli("submit", str(path), redis_url="redis://127.0.0.1:1/0", timeout=60)
+    assert run.returncode == 1 and f"{path}: not UTF-8: byte 0xe9" in run.stderr and "(line 2)" in run.stderr
+    assert "Traceback" not in run.stderr

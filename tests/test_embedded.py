@@ -1,13 +1,19 @@
-"""The embedded default as a newcomer meets it: `replicadp demo`, `up` / `down`, the server's security."""
+"""The embedded default as a newcomer meets it: `replicadp demo`, `up` / `down` (and the supervisor that
+restarts up's server), the server's security."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
+
+from helpers import SYNTHETIC, lasting, wait_for
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 
@@ -73,6 +79,104 @@ def test_up_then_plain_generate_then_down(clean_env, tiny_model):
     assert down.returncode == 0 and "stopped 1 replica" in down.stdout
     assert started_with(tmp) == set()
     assert not (Path(env["REPLICADP_STATE_DIR"]) / "state.json").exists()
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of `pid`."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return [k for k in kids if alive(k)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_restarts_its_killed_server_with_its_data(clean_env):
+    """`replicadp up` runs its server under a supervisor: SIGKILL the Valkey process itself, and the server
+    answers again on the same URL within seconds (a new process, the supervisor's child), with a key written
+    before the kill still there (append-only file), the restart logged with its exit status, and a request sent
+    afterwards served by the replica. The password is on no command line. `down` leaves neither the supervisor
+    nor the server behind."""
+    env, tmp = clean_env
+    up = subprocess.run([REPLICADP, "up", "--replicas", "1", "--threads", "1", "--model", SYNTHETIC], env=env,
+                        capture_output=True, text=True, timeout=300)
+    supervisor = servers = None
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        state = json.loads((Path(env["REPLICADP_STATE_DIR"]) / "state.json").read_text())
+        supervisor = state["server_pid"]
+        servers = children(supervisor)
+        assert len(servers) == 1
+        password = urlsplit(state["redis_url"]).password
+        for pid in (supervisor, *servers):
+            assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        client = redis.Redis.from_url(state["redis_url"], socket_connect_timeout=1, socket_timeout=5)
+        client.set("written-before-the-kill", "kept")
+
+        killed_at = time.monotonic()
+        os.kill(servers[0], signal.SIGKILL)
+        wait_for(lambda: not alive(servers[0]), "the killed server to exit", timeout=10, interval=0.01)
+
+        def answers() -> bool:
+            try:
+                return client.ping()
+            except redis.exceptions.ConnectionError:
+                return False
+
+        wait_for(answers, "the server to answer again on the same URL", timeout=15, interval=0.02)
+        restart_s = time.monotonic() - killed_at
+        print(f"server answered again {restart_s:.2f} s after its SIGKILL")
+        assert restart_s < 10
+        servers += [pid for pid in children(supervisor) if pid not in servers]
+        assert len(servers) == 2
+        assert client.get("written-before-the-kill") == b"kept"
+        log = (Path(state["run_dir"]) / "redis" / "supervisor.log").read_text()
+        assert f"valkey (pid {servers[0]}) exited with status -9 (SIGKILL)" in log, log
+
+        code = ("import json, sys; from replicadp_tasks import generate; "
+                "print(json.dumps(generate.delay(**json.loads(sys.argv[1])).get(timeout=90)))")
+        gen = subprocess.run([sys.executable, "-c", code, json.dumps(lasting(0.25))], env=env,
+                             capture_output=True, text=True, timeout=150)
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout)["replica"] == state["replicas"][0]
+    finally:
+        down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0 and "stopped 1 replica" in down.stdout, down.stdout + down.stderr
+    assert not any(Path(f"/proc/{pid}").exists() for pid in (supervisor, *servers))
+    assert started_with(tmp) == set()
+    assert not (Path(env["REPLICADP_STATE_DIR"]) / "state.json").exists()
+
+
+def test_down_cleans_up_after_a_vanished_supervisor(clean_env, tmp_path):
+    """A state file whose server supervisor is gone (its PID free, or reused by a process that is not one)
+    still lets `down` finish: it signals nothing that is not the supervisor, and removes the state."""
+    env, tmp = clean_env
+    state_dir = Path(env["REPLICADP_STATE_DIR"])
+    state_dir.mkdir()
+    bystander = subprocess.Popen(["sleep", "60"], env=env)  # stands in for a process that took the PID
+    try:
+        conf = tmp_path / "run" / "redis" / "valkey.conf"
+        conf.parent.mkdir(parents=True)
+        (conf.parent / "supervisor.pid").write_text(f"{bystander.pid}\n")
+        (state_dir / "state.json").write_text(json.dumps({
+            "run_dir": str(tmp_path / "run"), "model": "tiny", "replicas": ["replica0@x"],
+            "redis_url": "redis://:x@127.0.0.1:1/0", "server_pid": bystander.pid, "server_conf": str(conf)}))
+        down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=60)
+        assert down.returncode == 0 and "stopped 1 replica" in down.stdout, down.stdout + down.stderr
+        assert bystander.poll() is None
+        assert not (state_dir / "state.json").exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
+    assert started_with(tmp) == set()
 
 
 def test_embedded_server_wants_the_password_and_listens_on_loopback(redis_server):

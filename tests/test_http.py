@@ -232,6 +232,86 @@ def test_an_invalid_async_request_creates_no_job(live):
     assert live.client.get("/v1/videos", params={"limit": 100}).json()["data"] == before
 
 
+def raw_multipart(parts: list[tuple[bytes, bytes]], filename: bytes | None = None) -> bytes:
+    """A multipart/form-data body (boundary BOUNDARY) of (field name, value bytes) parts, byte for byte as
+    given; `filename` makes every part a file."""
+    disposition = b"; filename=\"" + filename + b"\"" if filename else b""
+    return b"".join(b"--" + BOUNDARY + b"\r\nContent-Disposition: form-data; name=\"" + name + b"\"" + disposition +
+                    b"\r\n\r\n" + value + b"\r\n" for name, value in parts) + b"--" + BOUNDARY + b"--\r\n"
+
+
+BOUNDARY = b"replicadp-test-boundary"
+MULTIPART = f"multipart/form-data; boundary={BOUNDARY.decode()}"
+URLENCODED = "application/x-www-form-urlencoded"
+SMALL_PARTS = [(k.encode(), v.encode()) for k, v in SMALL.items() if k != "prompt"]
+
+
+@pytest.mark.parametrize("content_type, body, field, message", [
+    (MULTIPART, raw_multipart([(b"prompt", b"caf\xe9 au lait"), *SMALL_PARTS]), "prompt",
+     "prompt: not UTF-8 (byte 0xe9 at offset 3 of the value)"),  # Latin-1, not UTF-8
+    (MULTIPART, raw_multipart([(b"prompt", b"a fox"), (b"negative_prompt", b"blur\xc3"), *SMALL_PARTS]),
+     "negative_prompt", "negative_prompt: not UTF-8 (byte 0xc3 at offset 4"),  # cut short
+    (MULTIPART, raw_multipart([(b"prompt", b"a fox"), (b"pr\xf6mpt", b"x")]), "pr\\xf6mpt", "field name"),
+    (MULTIPART + "; charset=latin-1", raw_multipart([(b"prompt", b"caf\xe9")]), None, "Content-Type: charset"),
+    (URLENCODED, b"prompt=caf%E9&size=64x64", "prompt", "prompt: not UTF-8 (byte 0xe9 at offset 3"),
+    (URLENCODED, "prompt=café&size=64x64".encode(), "prompt", "prompt: bytes past ASCII"),  # raw, not %-encoded
+])
+def test_a_form_value_that_is_not_utf8_is_refused(closed, content_type, body, field, message):
+    """Form text that is not UTF-8 (a value, a field name, a declared charset, in multipart or urlencoded form)
+    is a 400 naming the field and the offending byte, where Starlette would have read it as Latin-1 (or with
+    U+FFFD in place) and generated a video of another prompt."""
+    r = closed.client.post("/v1/videos/sync", content=body, headers={"content-type": content_type})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(message) and error["code"] == "invalid_request"
+
+
+def test_utf8_form_text_passes_in_either_encoding(closed):
+    """The same non-ASCII prompt, as UTF-8 multipart and as percent-encoded urlencoded form, passes validation
+    (the closed gateway's 429); so does a file part whose bytes are not UTF-8, which is not text."""
+    fox = "Fuchs im Schnee, 雪の中の狐"
+    assert post(closed, "/v1/videos/sync", {**SMALL, "prompt": fox}).status_code == 429
+    encoded = str(httpx.QueryParams({**SMALL, "prompt": fox})).encode()
+    r = closed.client.post("/v1/videos/sync", content=encoded, headers={"content-type": URLENCODED})
+    assert r.status_code == 429, r.text
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(png, format="PNG")
+    frame = ("f.png", png.getvalue(), "image/png")
+    assert post(closed, "/v1/videos/sync", SMALL, input_reference=frame).status_code == 429
+
+
+def test_form_text_is_checked_across_chunk_boundaries():
+    """FormText, fed a multipart body one byte at a time (a character and a header split between chunks), passes
+    valid UTF-8, names the field and offset of a bad byte, and leaves file parts alone."""
+    from client.gateway import FormText, GatewayError
+
+    def feed(body: bytes) -> None:
+        check = FormText(MULTIPART.encode())
+        for i in range(len(body)):
+            check.feed(body[i:i + 1])
+
+    feed(raw_multipart([(b"prompt", "雪の中の狐".encode()), (b"seed", b"1")]))
+    feed(raw_multipart([(b"input_reference", b"\x89PNG\xff\xfe")], filename=b"f.png"))
+    with pytest.raises(GatewayError) as exc:
+        feed(raw_multipart([(b"seed", b"1"), (b"prompt", "雪の".encode() + b"\xe4\xb8" + b"x")]))
+    assert exc.value.param == "prompt" and "byte 0xe4 at offset 6 " in exc.value.detail
+
+
+@pytest.mark.parametrize("files", [
+    [("seed", (None, "1")), ("seed", (None, "2"))],
+    [("prompt", (None, "a fox")), ("prompt", (None, "a whale"))],
+    [("input_reference", ("a.png", b"a", "image/png")), ("input_reference", ("b.png", b"b", "image/png"))],
+])
+def test_a_field_given_twice_is_refused(closed, files):
+    """A field given twice (FastAPI would silently take the last) is a 400 naming it."""
+    name = files[0][0]
+    others = [(k, (None, v)) for k, v in SMALL.items() if k != name]
+    r = closed.client.post("/v1/videos/sync", files=others + files)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == name and error["message"] == f"{name}: given 2 times; give each field once"
+
+
 def test_an_oversized_first_frame_is_413(closed):
     """A first frame over REPLICADP_MAX_IMAGE_BYTES is a 413 naming input_reference, whether it fits the body
     limit (checked on the file) or not (refused by its Content-Length before it is read)."""

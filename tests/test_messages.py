@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import redis
 from celery import states
+from prometheus_client import CollectorRegistry
 
 from client.api import _app_for
+from client.metrics import Exporter
 from client.status import queue_head
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, parent_of, wait_for
@@ -159,3 +161,8 @@ def test_every_poison_message_is_refused_and_both_replicas_serve_a_canary(group)
             assert any(d["task_id"] == task_id(message_) and str(meta["result"]) in d["reason"] for d in dead), what
     stats = group.app.control.inspect(timeout=2).stats()
     assert {name: stats[name]["prefetch_count"] for name in group.names} == dict.fromkeys(group.names, 1)
+    registry = CollectorRegistry()
+    exporter = Exporter(registry)
+    exporter.redis = group.redis  # this group's database, not the session's
+    assert registry.get_sample_value("replicadp_messages_refused_total") - refused_before == len(POISON)
+    assert registry.get_sample_value("replicadp_dead_letters") == len(POISON)

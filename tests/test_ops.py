@@ -207,6 +207,25 @@ def test_flower_requires_basic_auth_and_shows_the_replicas(replicas, redis_serve
         stop(proc)
 
 
+def test_flower_metrics_require_basic_auth(redis_db):
+    """Flower's /metrics (which Flower itself serves to anyone) answers 401 without or with wrong credentials
+    and its Prometheus text with them (FLOWER_BASIC_AUTH as given); /healthcheck stays open for probes."""
+    port = free_port()
+    env = {**os.environ, "REDIS_URL": redis_db(), "FLOWER_BASIC_AUTH": "ops:s3cret"}
+    proc = subprocess.Popen([REPLICADP, "flower", "--port", str(port)], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(base), "Flower to listen")
+        assert http_get(f"{base}/metrics")[0] == 401
+        assert http_get(f"{base}/metrics", "ops:wrong")[0] == 401
+        status, body = http_get(f"{base}/metrics", "ops:s3cret")
+        assert status == 200 and "flower_" in body.decode(), body[:300]
+        assert http_get(f"{base}/healthcheck") == (200, b"OK")
+    finally:
+        stop(proc)
+
+
 def _answers(base: str) -> bool:
     try:
         http_get(base + "/healthcheck")
