@@ -174,8 +174,11 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
     try:
         url = server.start()
         use_redis(url)
+        # TMPDIR in the run folder: a SIGKILLed replica cannot remove its prefork pool's pymp-* folder.
+        (run_dir / "tmp").mkdir()
         group = Replicas(n, redis_url=url, model="tiny", threads=1, log_path=run_dir / "replicas.log",
-                         env={"OUTPUT_DIR": str(run_dir / "out"), "REPLICADP_MAX_ATTEMPTS": "5"}).start()
+                         env={"OUTPUT_DIR": str(run_dir / "out"), "REPLICADP_MAX_ATTEMPTS": "5",
+                              "TMPDIR": str(run_dir / "tmp")}).start()
         try:
             requests = [{"prompt": f"chaos {i}", "seed": i, "height": height, "width": width,
                          "num_frames": num_frames, "num_inference_steps": steps} for i in range(count)]
