@@ -168,11 +168,20 @@ def down() -> dict | None:
         state = json.loads(STATE_FILE.read_text())
     except FileNotFoundError:
         return None
-    if state.get("launcher_pid"):
+    if state.get("launcher_pid") and _is_launcher(state["launcher_pid"]):
         stop_group(state["launcher_pid"], timeout=60)
     _stop_server(state)
     STATE_FILE.unlink(missing_ok=True)
     return state
+
+
+def _is_launcher(pid: int) -> bool:
+    """Whether `pid` still runs worker_launch.sh (not a PID reused since a stale state file was written)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(arg.endswith(LAUNCHER.name.encode()) for arg in args)
 
 
 def _stop_server(state: dict) -> None:

@@ -156,8 +156,8 @@ def test_up_restarts_its_killed_server_with_its_data(clean_env):
 
 
 def test_down_cleans_up_after_a_vanished_supervisor(clean_env, tmp_path):
-    """A state file whose server supervisor is gone (its PID free, or reused by a process that is not one)
-    still lets `down` finish: it signals nothing that is not the supervisor, and removes the state."""
+    """A state file whose server supervisor and launcher are gone (their PIDs free, or reused by a process that
+    is neither) still lets `down` finish: it signals nothing that is not one of them, and removes the state."""
     env, tmp = clean_env
     state_dir = Path(env["REPLICADP_STATE_DIR"])
     state_dir.mkdir()
@@ -168,7 +168,8 @@ def test_down_cleans_up_after_a_vanished_supervisor(clean_env, tmp_path):
         (conf.parent / "supervisor.pid").write_text(f"{bystander.pid}\n")
         (state_dir / "state.json").write_text(json.dumps({
             "run_dir": str(tmp_path / "run"), "model": "tiny", "replicas": ["replica0@x"],
-            "redis_url": "redis://:x@127.0.0.1:1/0", "server_pid": bystander.pid, "server_conf": str(conf)}))
+            "redis_url": "redis://:x@127.0.0.1:1/0", "server_pid": bystander.pid, "server_conf": str(conf),
+            "launcher_pid": bystander.pid}))
         down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=60)
         assert down.returncode == 0 and "stopped 1 replica" in down.stdout, down.stdout + down.stderr
         assert bystander.poll() is None
