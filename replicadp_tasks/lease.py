@@ -3,7 +3,7 @@
 Redis redelivers an unacknowledged message only after `visibility_timeout`, counted from delivery, and kombu
 sweeps rarely: a long timeout leaves the request of a dead replica stuck for up to an hour, a short one runs
 long requests twice. replicadp keeps kombu's timeout long (a backstop above the hard time limit) and adds
-three things, all renewed by each replica's main process (never by the busy pool child):
+three things, renewed by each replica's main process (and the fence by the pool child too; see below):
 
 - `replicadp:alive:<replica>`: a heartbeat key that expires LEASE seconds after the last renewal.
 - `replicadp:holders`: delivery tag -> replica, written when a replica receives a message.

@@ -48,15 +48,15 @@ class DirStore:
         `video_uri` set, or the earlier winner's (the first complete pair wins)."""
         video_path, meta_path = self.root / f"{request_id}.mp4", self.root / f"{request_id}.json"
         meta = {**meta, "video_uri": video_path.as_uri()}
+        done = self.get_meta(request_id)
+        if done is not None:
+            return done
         temps = []
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             # Both written in full before either is visible: a full disk fails here, leaving nothing behind.
             temps.append(self._temp(video_path, video))
             temps.append(self._temp(meta_path, json.dumps(meta).encode()))
-            done = self.get_meta(request_id)
-            if done is not None:
-                return done
             # An MP4 without its JSON is a failed write's (another request, maybe other inputs): replaced.
             os.replace(temps[0], video_path)
             try:

@@ -1,13 +1,16 @@
 """What the tests share besides fixtures: waiting for an event, and requests whose running time a test sets
 rather than takes from the speed of the machine."""
 
+import json
 import math
 import time
 
+import redis
 from celery import states
 
 from replicadp_tasks.pipeline import REFERENCE_WORK
 from replicadp_tasks.validate import MAX_STEPS
+from replicadp_tasks.worker import REPLICA_KEY
 
 
 def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2):
@@ -43,6 +46,12 @@ def wait_for_step(group, task_id: str, step: int) -> dict:
         return info if info and info["step"] >= step else None
 
     return wait_for(reached, what, interval=0.01)
+
+
+def wait_for_reload(client: redis.Redis, replica: str, old_pid: int) -> None:
+    """Wait until `replica` has a new pool child with its model loaded."""
+    wait_for(lambda: json.loads(client.get(REPLICA_KEY + replica))["pid"] != old_pid,
+             f"{replica} to load its model in a pool child other than {old_pid}", timeout=120, interval=0.1)
 
 
 # Replicas of the synthetic benchmark backend spend a set time per denoising step, whatever the machine, and run

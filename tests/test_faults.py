@@ -17,7 +17,8 @@ import redis
 
 from client.api import _app_for, live_replicas
 from conftest import run_client_on, start_replicas
-from helpers import SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_step
+from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
+                     wait_for_step)
 from replicadp_tasks.errors import PoisonRequest
 from replicadp_tasks.lease import LOCK_KEY
 from replicadp_tasks.transport import DEAD_KEY, STATS_KEY
@@ -52,12 +53,6 @@ def running_pid(group, task_id: str, not_pids=()) -> int:
         return info["pid"] if info and info["pid"] not in not_pids else None
 
     return wait_for(new_pid, what, interval=0.01)
-
-
-def wait_for_reload(client: redis.Redis, replica: str, old_pid: int) -> None:
-    """Wait until `replica` has a new pool child with its model loaded."""
-    wait_for(lambda: json.loads(client.get(REPLICA_KEY + replica))["pid"] != old_pid,
-             f"{replica} to load its model in a pool child other than {old_pid}", timeout=120, interval=0.1)
 
 
 def restart_redis(server, folder, down_s: float):

@@ -3,7 +3,6 @@ stopped with SIGSTOP mid-request for longer than a lease and resumed with SIGCON
 the end twice. Synthetic replicas, so that a request lasts the time the test sets on any machine, with a lease
 of 2 s, so that a stop of a few leases takes seconds."""
 
-import json
 import os
 import signal
 import time
@@ -15,10 +14,9 @@ from celery import states
 
 from client.api import _app_for, live_replicas
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, parent_of, wait_for, wait_for_step
+from helpers import SYNTHETIC, lasting, parent_of, wait_for, wait_for_reload, wait_for_step
 from replicadp_tasks.lease import HOLDERS_KEY, LOCK_KEY
 from replicadp_tasks.transport import STATS_KEY
-from replicadp_tasks.worker import REPLICA_KEY
 
 LEASE_S = 2
 
@@ -55,8 +53,7 @@ def held_by_other(group, stopped_replica: str):
 
 def reloaded(group, replica: str, old_child: int) -> None:
     """Wait until `replica` has loaded its model in a new pool child and consumes the shared queue again."""
-    wait_for(lambda: json.loads(group.redis.get(REPLICA_KEY + replica))["pid"] != old_child,
-             f"{replica} to load its model in a pool child other than {old_child}")
+    wait_for_reload(group.redis, replica, old_child)
     wait_for(lambda: replica in live_replicas(url=group.url), f"{replica} to consume the shared queue")
 
 
