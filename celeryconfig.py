@@ -2,14 +2,18 @@
 replicadp_tasks.settings, which reads the environment once at start-up."""
 
 from replicadp_tasks.settings import SETTINGS as _S
+from replicadp_tasks.transport import transport_for as _transport_for
 
 # One Redis serves as broker and result backend; REDIS_URL (or `replicadp up`'s state) names it.
 broker_url = _S.redis_url
 result_backend = _S.redis_url
 # kombu's Redis transport with a check of every request message before Celery reads it (a malformed one crashed
 # the main process of every replica in turn); Sentinel and other transports go without.
-broker_transport = ("replicadp_tasks.transport:Transport"
-                    if _S.redis_url.partition("://")[0] in ("redis", "rediss") else None)
+broker_transport = _transport_for(_S.redis_url)
+
+# A replica's life cycle (its signal handlers and lease bootstep): imported by `celery worker` before it starts,
+# never by a producer.
+imports = ("replicadp_tasks.worker",)
 
 # JSON only: a pickled message on the queue would be code execution on a GPU host.
 task_serializer = "json"

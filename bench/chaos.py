@@ -34,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from client.api import run_requests, use_redis  # noqa: E402
-from client.embedded import EmbeddedServer  # noqa: E402
-from client.replicas import Replicas  # noqa: E402
+from client.cli import size_param  # noqa: E402
+from client.local.embedded import EmbeddedServer  # noqa: E402
+from client.local.replicas import Replicas  # noqa: E402
+from replicadp_tasks.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
+from replicadp_tasks.records import RequestState  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
 from replicadp_tasks.store import outage_tolerant  # noqa: E402
-from replicadp_tasks.transport import STATS_KEY  # noqa: E402
-from replicadp_tasks.worker import ATTEMPTS_KEY  # noqa: E402
 
 FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both")
 # Messages that each crashed a replica's main process, looped its consumer or were never answered, before
@@ -82,7 +83,7 @@ def running(client: redis.Redis) -> list[tuple[str, dict]]:
     out = []
     for key in client.scan_iter("celery-task-meta-*", count=1000):
         meta = json.loads(client.get(key) or "{}")
-        if meta.get("status") == "PROGRESS" and os.path.exists(f"/proc/{meta['result']['pid']}"):
+        if meta.get("status") == RequestState.PROGRESS and os.path.exists(f"/proc/{meta['result']['pid']}"):
             out.append((meta["task_id"], meta["result"]))
     return out
 
@@ -150,7 +151,7 @@ class Chaos:
 @click.option("--replicas", "n", default=3, show_default=True)
 @click.option("--requests", "count", default=60, show_default=True)
 @click.option("--concurrency", default=0, help="In flight at most; 0 = 2 x replicas.")
-@click.option("--size", default="128x128", show_default=True)
+@click.option("--size", default="128x128", show_default=True, callback=size_param)
 @click.option("--num-frames", default=17, show_default=True)
 @click.option("--steps", default=20, show_default=True)
 @click.option("--interval", default=6.0, show_default=True, help="Mean seconds between faults.")
@@ -164,7 +165,7 @@ class Chaos:
 def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, kinds, seed, timeout, out):
     console = Console(width=None if sys.stdout.isatty() else 160)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the replicas, remove the run folder
-    width, height = (int(v) for v in size.split("x"))
+    width, height = size
     kinds = tuple(k for k in kinds.split(",") if k)
     if not set(kinds) <= set(FAULTS):
         raise click.BadParameter(f"{kinds}: each must be one of {FAULTS}", param_hint="--faults")
@@ -221,7 +222,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
     failed = [o for o in outcomes if not o.ok and not o.error.startswith("timed out")]
     lost = count - sum(o.ok for o in outcomes) - len(failed)
     report = {
-        "replicas": n, "requests": count, "size": size, "num_frames": num_frames, "steps": steps,
+        "replicas": n, "requests": count, "size": f"{width}x{height}", "num_frames": num_frames, "steps": steps,
         "interval_s": interval, "redis_down_s": redis_down, "seed": seed, "elapsed_s": round(elapsed, 1),
         "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
         "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),

@@ -28,7 +28,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from client.bench import psnr_db  # noqa: E402
+from client.bench.isolation import psnr_db  # noqa: E402
+from client.cli import size_param  # noqa: E402
+from replicadp_tasks.validate import DEFAULTS, REFERENCE_SIZE  # noqa: E402
 from replicadp_tasks.video import _X264, decode_mp4, encode_mp4, x264_params  # noqa: E402
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -70,12 +72,12 @@ def dirty_heap(rng: np.random.Generator) -> None:
 
 
 @click.command()
-@click.option("--size", default="832x480", show_default=True, help="WIDTHxHEIGHT")
-@click.option("--num-frames", default=33, show_default=True)
+@click.option("--size", default=REFERENCE_SIZE, show_default=True, callback=size_param, help="WIDTHxHEIGHT")
+@click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
 @click.option("--repeats", default=7, show_default=True, help="Encodes per content and setting.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
 def main(size, num_frames, repeats, out):
-    width, height = map(int, size.split("x"))
+    width, height = size
     # Every allocation from the heap, none from fresh zeroed mmap pages: what a replica's process looks like.
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 30)
     settings = {"before: x264 as detected": "threads=1", "after: no AVX-512": x264_params(),
@@ -108,7 +110,7 @@ def main(size, num_frames, repeats, out):
                       f"{r['distinct_mp4s']} of {r['encodes']}")
     Console(width=120).print(table)
     if out:
-        out.write_text(json.dumps({"size": size, "num_frames": num_frames, "rows": rows}, indent=1))
+        out.write_text(json.dumps({"size": f"{width}x{height}", "num_frames": num_frames, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

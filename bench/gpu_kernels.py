@@ -21,7 +21,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from client.cli import size_param  # noqa: E402
 from replicadp_tasks.architectures import ARCHITECTURES, PEAK_TFLOPS, cast, dit_flops  # noqa: E402
+from replicadp_tasks.validate import DEFAULTS, REFERENCE_SIZE  # noqa: E402
 
 BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3")
 
@@ -54,8 +56,8 @@ def failure(exc: Exception) -> str:
 
 @click.command()
 @click.option("--arch", default="wan2.2-ti2v-5b", show_default=True, type=click.Choice(sorted(ARCHITECTURES)))
-@click.option("--frames", default=33, show_default=True)
-@click.option("--size", default="832x480", show_default=True, help="WIDTHxHEIGHT")
+@click.option("--frames", default=DEFAULTS["num_frames"], show_default=True)
+@click.option("--size", default=REFERENCE_SIZE, show_default=True, callback=size_param, help="WIDTHxHEIGHT")
 @click.option("--passes", default=5, show_default=True, help="Timed passes per variant.")
 @click.option("--peak-tflops", default=PEAK_TFLOPS, show_default=True)
 @click.option("--compile/--no-compile", "do_compile", default=True, show_default=True,
@@ -73,7 +75,7 @@ def main(arch, frames, size, passes, peak_tflops, do_compile, device, out):
         peak_tflops = None
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    width, height = (int(v) for v in size.lower().split("x"))
+    width, height = size
     a = ARCHITECTURES[arch]
     spatial, temporal = a.vae.get("scale_factor_spatial", 8), a.vae.get("scale_factor_temporal", 4)
     latent = (1, a.transformer["in_channels"], (frames - 1) // temporal + 1, height // spatial, width // spatial)

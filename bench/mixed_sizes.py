@@ -23,8 +23,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from client.api import run_requests, use_redis  # noqa: E402
-from client.embedded import EmbeddedServer  # noqa: E402
-from client.replicas import Replicas  # noqa: E402
+from client.cli import size_param  # noqa: E402
+from client.local.embedded import EmbeddedServer  # noqa: E402
+from client.local.replicas import Replicas  # noqa: E402
 from client.submit import longest_first  # noqa: E402
 
 
@@ -44,12 +45,12 @@ def measure(requests, n):
 @click.option("--replicas", "counts", default="2,4", show_default=True)
 @click.option("--requests", default=24, show_default=True)
 @click.option("--seconds", default=5.0, show_default=True, help="synthetic:SECONDS (per reference-size request).")
-@click.option("--size", default="256x256", show_default=True)
+@click.option("--size", default="256x256", show_default=True, callback=size_param)
 @click.option("--steps", default=30, show_default=True)
 @click.option("--seed", default=0, show_default=True, help="Draws the frame counts.")
 @click.option("--out", default="bench-results/mixed.json", show_default=True, type=click.Path(path_type=Path))
 def main(counts, requests, seconds, size, steps, seed, out):
-    width, height = map(int, size.split("x"))
+    width, height = size
     rng = random.Random(seed)
     drawn = [{"prompt": f"mixed {i}", "seed": i, "width": width, "height": height, "num_inference_steps": steps,
               "num_frames": rng.choice((17, 49, 81))} for i in range(requests)]
@@ -77,7 +78,7 @@ def main(counts, requests, seconds, size, steps, seed, out):
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     t = Table(title=f"mixed sizes: {requests} requests, frames from {{17, 49, 81}} (seed {seed}), synthetic:{seconds}, "
-                    f"{size}, {steps} steps")
+                    f"{width}x{height}, {steps} steps")
     for col in ("replicas", "order", "makespan", "lower bound", "makespan / bound", "round-robin", "round-robin / bound"):
         t.add_column(col, justify="right")
     for r in rows:

@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from client.api import run_requests, use_redis  # noqa: E402
-from client.bench import BenchConfig, make_inputs  # noqa: E402
-from client.embedded import EmbeddedServer  # noqa: E402
-from client.replicas import Replicas  # noqa: E402
+from client.bench.run import BenchConfig, make_inputs  # noqa: E402
+from client.cli import size_param  # noqa: E402
+from client.local.embedded import EmbeddedServer  # noqa: E402
+from client.local.replicas import Replicas  # noqa: E402
 from replicadp_tasks.pipeline import PipelineHolder  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
 from replicadp_tasks.store import DirStore  # noqa: E402
@@ -65,14 +66,14 @@ def through_replicadp(inputs, concurrency):
 
 @click.command()
 @click.option("--requests", default=40, show_default=True)
-@click.option("--size", default="128x128", show_default=True)
+@click.option("--size", default="128x128", show_default=True, callback=size_param)
 @click.option("--num-frames", default=17, show_default=True)
 @click.option("--steps", default=8, show_default=True)
 @click.option("--threads", default=1, show_default=True)
 @click.option("--rounds", default=3, show_default=True, help="Plain and replicadp runs alternate, to cancel drift.")
 @click.option("--out", default="bench-results/overhead.json", show_default=True, type=click.Path(path_type=Path))
 def main(requests, size, num_frames, steps, threads, rounds, out):
-    width, height = map(int, size.split("x"))
+    width, height = size
     cfg = BenchConfig(width=width, height=height, num_frames=num_frames, steps=steps)
     inputs = make_inputs(cfg, requests)
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -107,7 +108,7 @@ def main(requests, size, num_frames, steps, threads, rounds, out):
     round_ratios = [p / r for p, r in zip(plain_s, rdp_s)]
     plain_s, rdp_s = float(np.median(plain_s)), float(np.median(rdp_s))
     report = {
-        "workload": {"size": size, "num_frames": num_frames, "steps": steps, "requests": requests, "threads": threads,
+        "workload": {"size": f"{width}x{height}", "num_frames": num_frames, "steps": steps, "requests": requests, "threads": threads,
                      "rounds": rounds},
         "plain_videos_per_min": 60 * requests / plain_s, "replicadp_videos_per_min": 60 * requests / rdp_s,
         "throughput_ratio": plain_s / rdp_s,
@@ -118,7 +119,7 @@ def main(requests, size, num_frames, steps, threads, rounds, out):
                              "p99": 1000 * (pct(rdp_lat, 99) - pct(plain_lat, 99))},
         "same_frames": plain_hashes == rdp_hashes,
     }
-    t = Table(title=f"overhead: tiny model {size}, {num_frames} frames, {steps} steps, {requests} requests x "
+    t = Table(title=f"overhead: tiny model {width}x{height}, {num_frames} frames, {steps} steps, {requests} requests x "
                     f"{rounds} rounds (median), {threads} thread(s)")
     for col in ("", "videos/min", "latency p50", "latency p99"):
         t.add_column(col, justify="right")

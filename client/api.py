@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
@@ -18,10 +20,14 @@ import redis
 from celery import Celery
 
 from replicadp_tasks import app, generate
+from replicadp_tasks.keys import CANCEL_KEY
+from replicadp_tasks.records import RequestState, Result
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.store import fetch_video as _fetch
+from replicadp_tasks.transport import transport_for
 
-SWEEP_S = 1.0  # how often every result in flight is read in full, besides the pub/sub notifications
+from .results import SWEEP_S, ResultWatch
+
 
 
 class ClientError(Exception):
@@ -38,7 +44,7 @@ class Outcome:
     submitted_at: float
     finished_at: float = 0.0
     ok: bool = False
-    result: dict | None = None
+    result: Result | None = None  # the stored Result, on success
     error: str | None = None
 
     @property
@@ -51,7 +57,7 @@ class InFlight:
     """What a running request last reported: its state and denoising step."""
 
     outcome: Outcome
-    state: str = "PENDING"
+    state: str = RequestState.PENDING
     step: int = 0
     total_steps: int = 0
     replica: str | None = None
@@ -74,7 +80,7 @@ def use_redis(url: str) -> None:
     """Point this process, and the replicas it starts, at `url`: for a server started after import (the demo,
     the tests). Call it once, before the first request: the app's connection pools keep the first URL."""
     os.environ["REDIS_URL"] = url
-    app.conf.update(broker_url=url, result_backend=url)
+    app.conf.update(broker_url=url, result_backend=url, broker_transport=transport_for(url))
 
 
 def check_redis(url: str | None = None, timeout: float = 3.0) -> None:
@@ -83,7 +89,7 @@ def check_redis(url: str | None = None, timeout: float = 3.0) -> None:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping()
     except redis.exceptions.RedisError as exc:
-        raise ClientError(f"cannot reach Redis at {redacted(url)} (set REDIS_URL, or run `replicadp up`): {exc}") from exc
+        raise ClientError(f"cannot reach Redis at {redacted(url)} (set REDIS_URL or --redis-url, or run `replicadp up`): {exc}") from exc
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +98,7 @@ def _app_for(url: str) -> Celery:
     connection argument alone would not reach replicas on another server or DB."""
     other = Celery("replicadp", set_as_current=False)
     other.config_from_object("celeryconfig")
-    other.conf.update(broker_url=url, result_backend=url)
+    other.conf.update(broker_url=url, result_backend=url, broker_transport=transport_for(url))
     return other
 
 
@@ -118,14 +124,7 @@ def error_message(info) -> str:
 def cancel_request(task_id: str) -> None:
     """Cancel a request: a queued one fails as RequestCancelled when a replica takes it, a running one at its
     next denoising step; the replica keeps its model either way. A request that has ended is left as it is."""
-    from replicadp_tasks.worker import CANCEL_KEY
-
     app.backend.client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s)
-
-
-def _send(request: dict) -> str:
-    # Keep only the id: an AsyncResult object would keep a pub/sub subscription whose messages nobody reads.
-    return generate.apply_async(kwargs=request).id
 
 
 def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float = 1800.0,
@@ -133,32 +132,27 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
     """Submit `requests` keeping at most `concurrency` in flight (0: all at once), and yield each Outcome as
     its request completes. A request that fails or passes `timeout` seconds yields ok=False; the others go on.
     `on_update(in_flight, finished)` is called whenever a request in flight changes state or step.
-
-    Waits on the result backend's pub/sub channels instead of polling: a polling client costs the replicas
-    compute on a small host (measured: inference 10% slower on 2 cores with a 10 ms poll) and adds up to a
-    poll interval to every latency. A full read of every result in flight each SWEEP_S catches what pub/sub
-    missed (a result stored before we subscribed, a reconnect) and enforces the timeout."""
+    Results arrive through the result waiter (results.py), not by polling."""
     check_redis()
     pending = list(enumerate(requests))
     pending.reverse()
     limit = concurrency if concurrency > 0 else len(pending)
-    backend = app.backend
     flying: dict[str, InFlight] = {}
-    keys: dict[bytes, str] = {}  # result key (also its pub/sub channel) -> task id
-    pubsub = backend.client.pubsub(ignore_subscribe_messages=True)
+    states: queue.Queue[tuple[str, dict]] = queue.Queue()
+    watch = ResultWatch(app.backend, lambda task_id, meta: states.put((task_id, meta))).start()
 
     def settle(task_id: str, meta: dict | None, now: float) -> Outcome | None:
-        """Record what a result says; the Outcome if the request has ended."""
+        """Record what a result says (None: nothing new); the Outcome if the request has ended."""
         entry = flying[task_id]
         out = entry.outcome
-        status = meta["status"] if meta else "PENDING"
+        status = meta["status"] if meta else entry.state
         info = meta.get("result") if meta else None
-        if status == "SUCCESS":
+        if status == RequestState.SUCCESS:
             out.ok, out.result = True, info
-        elif status == "FAILURE":
+        elif status == RequestState.FAILURE:
             out.error = error_message(info)
         elif now - out.submitted_at > timeout:
-            where = "still queued: is any replica live?" if status == "PENDING" else status
+            where = "still queued: is any replica live?" if status == RequestState.PENDING else status
             out.error = f"timed out after {timeout:.0f} s ({where})"
         else:
             if isinstance(info, dict) and (status, info.get("step", 0)) != (entry.state, entry.step):
@@ -171,62 +165,30 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
             return None
         out.finished_at = now
         del flying[task_id]
-        pubsub.unsubscribe(backend.get_key_for_task(task_id))
+        watch.unwatch(task_id)
         if on_update:
             on_update(list(flying.values()), out)
         return out
 
-    def sweep(task_ids) -> Iterator[Outcome]:
-        task_ids = list(task_ids)
-        try:
-            raws = backend.client.mget([backend.get_key_for_task(t) for t in task_ids]) if task_ids else []
-        except redis.exceptions.ConnectionError:  # Redis restarting: the next sweep reads them
-            raws = [None] * len(task_ids)  # (but the timeout still applies)
-        now = time.time()
-        for task_id, raw in zip(task_ids, raws):
-            done = settle(task_id, backend.decode_result(raw) if raw else None, now)
-            if done:
-                yield done
-
-    last_sweep = time.monotonic()
-    while pending or flying:
-        sent = []
-        while pending and len(flying) < limit:
-            index, request = pending.pop()
-            now = time.time()
-            task_id = _send(request)
-            flying[task_id] = InFlight(Outcome(index, request, task_id, now))
-            key = backend.get_key_for_task(task_id)
-            keys[key] = task_id
-            sent.append(key)
-        if sent:
-            pubsub.subscribe(*sent)
-            yield from sweep(keys[k] for k in sent)  # results stored before the subscription took effect
-        if time.monotonic() - last_sweep > SWEEP_S:
-            last_sweep = time.monotonic()
-            yield from sweep(flying)
-        if not flying:
-            continue
-        try:
-            message = pubsub.get_message(timeout=SWEEP_S)
-        except redis.exceptions.ConnectionError:  # Redis restarting: reconnect, resubscribe, catch up
-            time.sleep(0.5)
+    try:
+        while pending or flying:
+            while pending and len(flying) < limit:
+                index, request = pending.pop()
+                task_id = str(uuid.uuid4())
+                watch.watch(task_id)  # before sending: no state of it passes unseen
+                flying[task_id] = InFlight(Outcome(index, request, task_id, time.time()))
+                # Keep only the id: an AsyncResult would keep a pub/sub subscription whose messages nobody reads.
+                generate.apply_async(kwargs=request, task_id=task_id)
             try:
-                fresh = backend.client.pubsub(ignore_subscribe_messages=True)
-                fresh.subscribe(*[backend.get_key_for_task(t) for t in flying])
-                pubsub = fresh
-            except redis.exceptions.ConnectionError:
-                pass  # still down: try again after the next sweep
-            last_sweep = 0.0
-            continue
-        while message is not None:
-            task_id = keys.get(message["channel"])
+                task_id, meta = states.get(timeout=SWEEP_S)
+            except queue.Empty:
+                task_id, meta = None, None
+            now = time.time()
             if task_id in flying:
-                done = settle(task_id, backend.decode_result(message["data"]), time.time())
+                done = settle(task_id, meta, now)
                 if done:
                     yield done
-            try:
-                message = pubsub.get_message(timeout=0)
-            except redis.exceptions.ConnectionError:  # the next wait reconnects
-                message = None
-    pubsub.close()
+            for task_id in [t for t, e in flying.items() if now - e.outcome.submitted_at > timeout]:
+                yield settle(task_id, None, now)  # none came in time (Redis may be down)
+    finally:
+        watch.close()

@@ -10,6 +10,9 @@ from pathlib import Path
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.validate import DEFAULTS, validate_request
 
+from .api import check_redis, fetch_video, run_requests
+from .progress import console, flight_text, progress_bar, wait_for_replicas
+
 
 class BatchFileError(Exception):
     """Raised when lines of a batch file are malformed; lists every bad line with its number."""
@@ -140,3 +143,42 @@ def completed_ids(results_path: Path) -> set[str]:
             if rec.get("ok"):
                 done.add(rec["request_id"])
     return done
+
+
+def run_batch(file: Path, results: Path, *, concurrency: int, timeout: float, save_dir: Path | None,
+              longest: bool) -> int:
+    """Run the requests of `file` that `results` does not record as completed, appending each outcome to
+    `results` (and its video to `save_dir`) as it ends, with a progress bar. Returns how many failed."""
+    batch = read_batch(file)
+    done = completed_ids(results)
+    todo = [(n, kw) for n, kw in batch if kw["request_id"] not in done]
+    if longest:
+        todo.sort(key=lambda item: work(item[1]), reverse=True)
+    console.print(f"{len(batch)} request(s) in {file}; {len(batch) - len(todo)} already completed; "
+                  f"submitting {len(todo)}")
+    if not todo:
+        return 0
+    check_redis()
+    wait_for_replicas(timeout)
+    failed = 0
+    with progress_bar() as bar, open(results, "a") as out:
+        task = bar.add_task("submit", total=len(todo), flight="")
+
+        def on_update(in_flight, finished):
+            desc = f"submit: {bar.tasks[0].completed + (1 if finished else 0) - failed} done, {failed} failed"
+            bar.update(task, description=desc, flight=flight_text(in_flight))
+
+        for o in run_requests([kw for _, kw in todo], concurrency, timeout, on_update):
+            line = todo[o.index][0]
+            if o.ok and save_dir:
+                save_dir.mkdir(parents=True, exist_ok=True)
+                (save_dir / f"{o.request['request_id']}.mp4").write_bytes(fetch_video(o.result))
+            failed += not o.ok
+            out.write(json.dumps({"line": line, "request_id": o.request["request_id"], "ok": o.ok,
+                                  "result": o.result, "error": o.error}) + "\n")
+            out.flush()
+            bar.advance(task)
+            if not o.ok:
+                console.print(f"[red]line {line} failed[/red]: {o.error}")
+    console.print(f"{len(todo) - failed} completed, {failed} failed; results in {results}")
+    return failed

@@ -1,7 +1,7 @@
-"""Worker side of replicadp: the Celery `app` and the `generate` task."""
+"""Worker side of replicadp: the Celery `app` and the `generate` task. A replica's life cycle (worker.py) is
+imported by the worker alone (celeryconfig's `imports`), so that a producer importing this starts nothing."""
 
 from .app import app
-from . import worker  # noqa: F401  (connects the replica's life-cycle signals)
 from .tasks import generate
 
 __all__ = ["app", "generate"]

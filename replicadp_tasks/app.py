@@ -12,7 +12,7 @@ app.config_from_object("celeryconfig")
 def _stamp(sender=None, headers=None, **_):
     """Record when a request was sent, so that its result can report how long it queued. Leave its time
     limits to the replica: Celery would otherwise send the producer's own settings, which win over the
-    worker's (seen: a replica with a 1 s soft limit ran a 3 s request to the end)."""
+    worker's."""
     if sender == "replicadp.generate" and headers is not None:
         headers.setdefault("replicadp_sent_at", time.time())
         headers["timelimit"] = [None, None]

@@ -12,9 +12,12 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 
+from .validate import DEFAULTS
+
 TEXT_LEN = 512  # tokens the pipelines pad every prompt to (max_sequence_length)
-# The chip whose model FLOP utilisation reports give by default: an H200's bf16 matrix throughput, measured on
-# the lent machine (8192^3 products: 788 TFLOP/s). An A800/A100's is 312.
+# The chip whose model FLOP utilisation reports give by default: an estimate of an H200's sustained bf16 matrix
+# throughput (its datasheet's dense peak is 989), not a measurement: no GPU has run this code yet, and
+# scripts/gpu_check.sh measures it. An A800/A100's datasheet peak is 312.
 PEAK_TFLOPS = 790.0
 # UMT5-xxl, the text encoder of every Wan2.1 / 2.2 model (5.7 B parameters).
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
@@ -214,7 +217,8 @@ def request_flops(config, *, height: int, width: int, num_frames: int, steps: in
     return per_pass * steps * (2 if guidance else 1)
 
 
-def reference_flops(name: str, *, height: int = 480, width: int = 832, num_frames: int = 33, steps: int = 30) -> int:
+def reference_flops(name: str, *, height: int = DEFAULTS["height"], width: int = DEFAULTS["width"],
+                    num_frames: int = DEFAULTS["num_frames"], steps: int = DEFAULTS["num_inference_steps"]) -> int:
     """`request_flops` of architecture `name`, by default for the reference request (guidance on)."""
     arch = architecture(name)
     return request_flops(arch.transformer, height=height, width=width, num_frames=num_frames, steps=steps,

@@ -1,15 +1,40 @@
 """The errors replicadp raises, and what each one fails: the request or the process."""
 
 
+NOTHING = object()  # no value given (None is a value a request can carry)
+
+
+def shown(value) -> str:
+    """A refused value as an error message shows it: its repr, cut at 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class ReplicaDPError(Exception):
     """Base of every replicadp error."""
 
 
 class InvalidRequest(ReplicaDPError, ValueError):
-    """Raised when a generate argument fails validation; the message names the field and the value.
+    """Raised when a generate argument fails validation; the message names the field and the value, and so do
+    `.field` and `.value` (the value as the message shows it: its repr, cut at 80 characters).
 
     Fails the request (state FAILURE, never retried); the replica keeps serving.
     """
+
+    def __init__(self, message: str, field: str, value: str | None = None):
+        # All three in args: Celery's JSON result backend rebuilds a failure as cls(*args).
+        super().__init__(message, field, value)
+        self.field, self.value = field, value
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    @classmethod
+    def of(cls, field: str, why: str, value=NOTHING):
+        """`field=value: why` (or `field: why` without a value)."""
+        if value is NOTHING:
+            return cls(f"{field}: {why}", field)
+        return cls(f"{field}={shown(value)}: {why}", field, shown(value))
 
 
 class RequestIdConflict(InvalidRequest):
@@ -52,14 +77,7 @@ class RequestCancelled(ReplicaDPError):
     """
 
 
-class PipelineError(ReplicaDPError):
-    """Raised when the pipeline itself fails on a valid request (a CUDA error, an exception in diffusers).
-
-    Fails the request; its memory is freed first and the replica keeps serving.
-    """
-
-
-class OutOfMemory(PipelineError):
+class OutOfMemory(ReplicaDPError):
     """Raised when a request needs more device (or host) memory than the replica has left.
 
     Fails the request; the replica frees what the request held and keeps serving smaller ones.

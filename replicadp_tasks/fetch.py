@@ -39,7 +39,7 @@ def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence =
     bounds what was exceeded; any other failure raises FetchError."""
     label = f"{field}={url[:80]!r}"
     end = time.monotonic() + deadline_s
-    download = _Download(url, label, max_bytes, allow_nets, bytes_setting, end)
+    download = _Download(url, (field, repr(url[:80])), max_bytes, allow_nets, bytes_setting, end)
     # The download runs in a thread of its own, so that this one answers at the deadline or a cancel whatever
     # the download is blocked in (a DNS lookup, a server sending a byte now and then); abort() then shuts its
     # socket down so that it stops too.
@@ -53,7 +53,7 @@ def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence =
             if cancelled is not None and cancelled():
                 raise RequestCancelled(f"{label}: cancelled during the download")
             if time.monotonic() >= end:
-                raise FetchError(f"{label}: took longer than {deadline_s:g} s ({deadline_setting})")
+                raise FetchError(f"{label}: took longer than {deadline_s:g} s ({deadline_setting})", field, repr(url[:80]))
     finally:
         download.abort()
     if download.error is not None:
@@ -64,8 +64,10 @@ def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence =
 class _Download:
     """One fetch, hop by hop, in the runner thread; its outcome in `body` or `error`."""
 
-    def __init__(self, url: str, label: str, max_bytes: int, allow_nets: Sequence, bytes_setting: str, end: float):
-        self.url, self.label, self.max_bytes, self.allow_nets = url, label, max_bytes, tuple(allow_nets)
+    def __init__(self, url: str, named: tuple[str, str], max_bytes: int, allow_nets: Sequence, bytes_setting: str,
+                 end: float):
+        self.url, self.named, self.max_bytes, self.allow_nets = url, named, max_bytes, tuple(allow_nets)
+        self.label = "=".join(named)
         self.bytes_setting, self.end = bytes_setting, end
         self.body: bytes = b""
         self.error: FetchError | None = None
@@ -79,6 +81,9 @@ class _Download:
             if self._guard is not None:
                 _shut(self._guard)
 
+    def failed(self, why: str) -> FetchError:
+        return FetchError(f"{self.label}: {why}", *self.named)
+
     def run(self) -> None:
         try:
             self.body = self._follow()
@@ -86,7 +91,7 @@ class _Download:
             self.error = exc
         except Exception as exc:  # whatever the remote side did; logged for the operator, never sent back
             log.info("%s: %s: %r", self.label, FAILED, exc)
-            self.error = FetchError(f"{self.label}: {FAILED}")
+            self.error = self.failed(FAILED)
 
     def _follow(self) -> bytes:
         url = self.url
@@ -97,15 +102,15 @@ class _Download:
             if status not in REDIRECTS:
                 return body
             if location is None:
-                raise FetchError(f"{self.label}: {where}HTTP status {status} without a Location")
+                raise self.failed(f"{where}HTTP status {status} without a Location")
             url = urllib.parse.urljoin(url, location)
-        raise FetchError(f"{self.label}: more than {MAX_REDIRECTS} redirects")
+        raise self.failed(f"more than {MAX_REDIRECTS} redirects")
 
     def _get(self, url: str, where: str, hop: int) -> tuple[int, str | None, bytes]:
         """One request: (status, Location, body); the body only of a 2xx answer."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https"):
-            raise FetchError(f"{self.label}: {where}scheme not allowed; only http and https")
+            raise self.failed(f"{where}scheme not allowed; only http and https")
         try:
             host, port = parts.hostname, parts.port
             if port is None:
@@ -114,16 +119,16 @@ class _Download:
                 raise ValueError("no host")
             ascii_host = host.encode("idna").decode("ascii")
         except (ValueError, UnicodeError):
-            raise FetchError(f"{self.label}: {where}not a valid URL") from None
+            raise self.failed(f"{where}not a valid URL") from None
         named = f"host {host[:80]!r}" if hop == 0 else "its host"
         try:
             infos = socket.getaddrinfo(ascii_host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError):
-            raise FetchError(f"{self.label}: {where}{named} does not resolve") from None
+            raise self.failed(f"{where}{named} does not resolve") from None
         for info in infos:  # every address: a name with one public and one internal address is refused
             refusal = _refusal(info[4][0], self.allow_nets)
             if refusal:
-                raise FetchError(f"{self.label}: {where}address {info[4][0]} of {named} is {refusal}, not "
+                raise self.failed(f"{where}address {info[4][0]} of {named} is {refusal}, not "
                                  "allowed (REPLICADP_FETCH_ALLOW)")
         sock = self._connect(infos)
         try:
@@ -149,7 +154,7 @@ class _Download:
             with self._lock:
                 if self._aborted:
                     sock.close()
-                    raise FetchError(f"{self.label}: aborted")
+                    raise self.failed("aborted")
                 self._guard = sock.dup()  # shutdown() on it stops the connection, even once wrapped in TLS
             try:
                 sock.connect(sockaddr)
@@ -174,13 +179,13 @@ class _Download:
                          headers={"Host": host_header, "User-Agent": "replicadp", "Accept": "*/*",
                                   "Connection": "close"})
         except http.client.InvalidURL:
-            raise FetchError(f"{self.label}: {where}not a valid URL") from None
+            raise self.failed(f"{where}not a valid URL") from None
         resp = conn.getresponse()
         if resp.status in REDIRECTS:
             return resp.status, resp.getheader("Location"), b""
         if not 200 <= resp.status < 300:
-            raise FetchError(f"{self.label}: {where}HTTP status {resp.status}")
-        too_big = FetchError(f"{self.label}: more than {self.max_bytes} bytes ({self.bytes_setting})")
+            raise self.failed(f"{where}HTTP status {resp.status}")
+        too_big = self.failed(f"more than {self.max_bytes} bytes ({self.bytes_setting})")
         if resp.length is not None and resp.length > self.max_bytes:
             raise too_big
         body = bytearray()

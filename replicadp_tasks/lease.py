@@ -13,12 +13,12 @@ Every replica sweeps once a second: a message whose holder's heartbeat has expir
 (kombu's own `restore_by_tag`, a transaction, so concurrent sweepers push it once). A replica also requeues
 what is recorded as its own but its process does not hold: at once after a restart under the same name (its
 previous process's), and within two ticks when Celery dropped a message after a broker reconnect; and any
-message delivered a lease ago that no replica recorded (the broker died as it arrived: seen in a chaos run).
+message delivered a lease ago that no replica recorded (the broker died as it arrived).
 A sweeper that has just (re)connected waits one lease first, so that a Redis restart, which expires every
 heartbeat at once, does not look like every replica dying.
 
 The delivery tag stays the same when kombu redelivers a message, so the tag alone cannot tell two deliveries
-apart: the fence lock carries `<replica>:<pid>:<task id>`, and a delivery that finds the lock held by a live
+apart: the fence lock carries a FenceToken (`<replica>:<pid>:<task id>`, keys.py), and a delivery that finds the lock held by a live
 other waits for that one's result instead of computing its own.
 
 Who renews what. The heartbeat and the holders: the main process, which holds the messages. The fence: both the
@@ -34,17 +34,16 @@ from __future__ import annotations
 
 import logging
 import time
+from enum import StrEnum
+from typing import NamedTuple
 
 import redis
 
+from .keys import ALIVE_KEY, HOLDERS_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken, fence_key
+
 log = logging.getLogger("replicadp")
 
-ALIVE_KEY = "replicadp:alive:"  # + replica name
-HOLDERS_KEY = "replicadp:holders"  # delivery tag -> replica name
-LOCK_KEY = "replicadp:lock:"  # + request_id -> token of the delivery computing it
 TICK_S = 1.0  # renewal and sweep period: a lease of 6 s survives 5 missed ticks
-UNACKED_KEY = "unacked"  # kombu's hash of delivered, unacknowledged messages (tag -> message)
-UNACKED_INDEX_KEY = "unacked_index"  # kombu's sorted set of the same tags, scored by delivery time
 
 # Take the lock if free, or renew it if ours; else say who owns it (atomically: it cannot expire in between).
 _ACQUIRE = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'acquired' end "
@@ -57,34 +56,53 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 _FORGET = "if redis.call('hget', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('hdel', KEYS[1], ARGV[1]) end return 0"
 
 
-def token(replica: str, pid: int, task_id: str) -> str:
-    """Who computes a request: one pool child running one delivery."""
-    return f"{replica}:{pid}:{task_id}"
+class FenceState(StrEnum):
+    ACQUIRED = "acquired"  # it was free (or had expired): taken now
+    HELD = "held"  # this delivery held it already: renewed
+    TAKEN = "taken"  # another delivery holds it (`owner` says which)
+    CANCELLED = "cancelled"  # the request was cancelled (acquire_unless only): not taken
 
 
-def lock_key(kwargs: dict, task_id: str) -> str:
-    return LOCK_KEY + str(kwargs.get("request_id") or task_id)
+class FenceAnswer(NamedTuple):
+    state: FenceState
+    owner: str | None = None  # the other delivery's token, when TAKEN
+
+    @property
+    def ours(self) -> bool:
+        return self.state in (FenceState.ACQUIRED, FenceState.HELD)
+
+
+def request_fence(kwargs: dict, task_id: str) -> str:
+    """The fence key of a Celery request, from its kwargs (its request_id, else its task id)."""
+    return fence_key(str(kwargs.get("request_id") or task_id))
+
+
+def _answer(reply: bytes) -> FenceAnswer:
+    reply = reply.decode()
+    if reply in (FenceState.ACQUIRED, FenceState.HELD):
+        return FenceAnswer(FenceState(reply))
+    return FenceAnswer(FenceState.TAKEN, reply)
 
 
 # --- in the pool child: the fence -----------------------------------------------------------------------
 
-def acquire(r: redis.Redis, key: str, tok: str, lease_s: int) -> str:
-    """Take the fence for this delivery. Returns "acquired", "held" (we already own it) or the other owner."""
-    return r.eval(_ACQUIRE, 1, key, tok, lease_s * 1000).decode()
+def acquire(r: redis.Redis, key: str, tok: FenceToken, lease_s: int) -> FenceAnswer:
+    """Take the fence for this delivery, or renew it if this delivery holds it; else say who holds it."""
+    return _answer(r.eval(_ACQUIRE, 1, key, str(tok), lease_s * 1000))
 
 
-def acquire_unless(r: redis.Redis, key: str, tok: str, lease_s: int, cancel_key: str) -> str:
-    """"cancelled" if `cancel_key` exists, else what acquire() returns. One round trip: it runs at every
+def acquire_unless(r: redis.Redis, key: str, tok: FenceToken, lease_s: int, cancel_key: str) -> FenceAnswer:
+    """CANCELLED if `cancel_key` exists, else what acquire() answers. One round trip: it runs at every
     denoising step."""
     pipe = r.pipeline(transaction=False)
     pipe.exists(cancel_key)
-    pipe.eval(_ACQUIRE, 1, key, tok, lease_s * 1000)
-    cancelled, owner = pipe.execute()
-    return "cancelled" if cancelled else owner.decode()
+    pipe.eval(_ACQUIRE, 1, key, str(tok), lease_s * 1000)
+    cancelled, reply = pipe.execute()
+    return FenceAnswer(FenceState.CANCELLED) if cancelled else _answer(reply)
 
 
-def release(r: redis.Redis, key: str, tok: str) -> None:
-    r.eval(_RELEASE, 1, key, tok)
+def release(r: redis.Redis, key: str, tok: FenceToken) -> None:
+    r.eval(_RELEASE, 1, key, str(tok))
 
 
 class FenceKeeper:
@@ -95,7 +113,7 @@ class FenceKeeper:
     def __init__(self, url: str, lease_s: int):
         self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
         self.lease_s = lease_s
-        self.current: tuple[str, str] | None = None  # (fence key, token) of the request being computed
+        self.current: tuple[str, FenceToken] | None = None  # (fence key, token) of the request being computed
 
     def run(self) -> None:
         failing = False
@@ -103,7 +121,7 @@ class FenceKeeper:
             current = self.current
             if current is not None:
                 try:
-                    self.redis.eval(_RENEW, 1, current[0], current[1], self.lease_s * 1000)
+                    self.redis.eval(_RENEW, 1, current[0], str(current[1]), self.lease_s * 1000)
                     failing = False
                 except redis.RedisError as exc:
                     if not failing:  # once per outage, not once a second
@@ -158,7 +176,7 @@ class Keeper:
         fences of requests that ended here (a pool child killed mid-request cannot release its own, and its
         requeued request must not wait a lease for it); then sweep.
         `requests`: the Celery requests this process holds."""
-        fences = {lock_key(req.kwargs or {}, req.id): token(req.hostname, req.worker_pid, req.id)
+        fences = {request_fence(req.kwargs or {}, req.id): str(FenceToken(req.hostname, req.worker_pid, req.id))
                   for req in requests if req.worker_pid}
         try:
             pipe = self.redis.pipeline(transaction=False)
@@ -220,7 +238,7 @@ class Keeper:
         """The pool child running `req` died: release its fence and requeue its message now, not at the next
         tick (the requeued request would wait on the fence)."""
         if req.worker_pid:
-            release(self.redis, lock_key(req.kwargs or {}, req.id), token(req.hostname, req.worker_pid, req.id))
+            release(self.redis, request_fence(req.kwargs or {}, req.id), FenceToken(req.hostname, req.worker_pid, req.id))
         self.requeue(req.message.delivery_tag, self.name, "its pool child was lost")
 
     def requeue(self, tag: str, holder: str | None, why: str) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from . import determinism
 from .architectures import architecture, build_pipeline, request_flops
 from .errors import ModelLoadError, OutOfMemory
-from .validate import GenerateRequest
+from .validate import REFERENCE_WORK, GenerateRequest
 from .video import to_uint8
 
 TINY_SPECS = {"tiny": "wan2.2-ti2v", "tiny-wan2.1": "wan2.1-t2v"}
@@ -32,7 +32,6 @@ RANDOM_PREFIX = "random:"
 COMPILE_MODES = ("none", "blocks", "full")
 # `synthetic:SECONDS` is a benchmark-only backend: SECONDS per request of the reference size, scaled by work.
 SYNTHETIC_PREFIX = "synthetic:"
-REFERENCE_WORK = 832 * 480 * 33 * 30  # height x width x frames x steps of the reference request
 
 
 def synthetic_seconds(spec: str) -> float | None:

@@ -16,8 +16,7 @@ from urllib.parse import unquote, urlparse
 import redis
 
 from .errors import StoreError
-
-REDIS_PREFIX = "replicadp:store:"
+from .keys import STORE_KEY
 
 
 class DirStore:
@@ -80,11 +79,11 @@ class RedisStore:
         self.ttl_s = ttl_s
 
     def get_meta(self, request_id: str) -> dict | None:
-        raw = self.client.get(f"{REDIS_PREFIX}{request_id}.json")
+        raw = self.client.get(f"{STORE_KEY}{request_id}.json")
         return json.loads(raw) if raw else None
 
     def put(self, request_id: str, video: bytes, meta: dict) -> dict:
-        video_key, meta_key = f"{REDIS_PREFIX}{request_id}.mp4", f"{REDIS_PREFIX}{request_id}.json"
+        video_key, meta_key = f"{STORE_KEY}{request_id}.mp4", f"{STORE_KEY}{request_id}.json"
         meta = {**meta, "video_uri": f"redis-key:{video_key}"}
         with self.client.pipeline() as pipe:
             try:

@@ -1,4 +1,9 @@
-"""The `generate` task: validate, run the resident pipeline, store the video, return metadata."""
+"""The `generate` task: one request, from its message to the MP4 in the output store.
+
+`generate` runs in a replica's pool child, over `child.current()` (the resident pipeline, the store, Redis) and
+one `Delivery` (this delivery of the request). Delivery is at least once, a result is made once: a request that
+already has a result gets it back, and only the delivery that holds the request's fence computes (lease.py).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,18 @@ import hashlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 
-from . import lease, worker
+from . import child, lease
 from .app import app
 from .errors import InvalidRequest, PoisonRequest, RequestCancelled, RequestIdConflict
 from .images import load_first_frame
+from .keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
+from .lease import FenceAnswer, FenceState
 from .pipeline import describe_device
+from .records import Progress, RequestState, Result
 from .settings import SETTINGS
-from .transport import STATS_KEY
-from .validate import input_key, validate_request
+from .validate import GenerateRequest, input_key, validate_request
 from .video import encode_mp4, frames_sha256
 
 log = logging.getLogger("replicadp")
@@ -22,128 +30,155 @@ FENCE_POLL_S = 0.5  # how often a delivery waiting on another's fence looks for 
 # PROGRESS at most this often (the first step always): each is a read and a write of the result key, ~2 ms on a
 # small machine, and a GPU step takes ~0.2 s; a person, `status` and `health` need no more than this.
 PROGRESS_EVERY_S = 0.5
+EXIT_FENCED_OUT = 75  # the exit status of a pool child whose delivery lost its fence (EX_TEMPFAIL)
 
 
 @app.task(name="replicadp.generate", bind=True, Request="replicadp_tasks.worker:ReplicaRequest")
-def generate(self, prompt=None, **kwargs):
-    """Generate one video; returns JSON metadata (never the bytes: those go to the output store)."""
-    started = time.time()
-    if worker.cancelled(self.request.id):
-        raise RequestCancelled(f"request {self.request.id} was cancelled before it started")
-    attempt = worker.start_attempt(self.request.id)
+def generate(self, prompt=None, **kwargs) -> Result:
+    """Generate one video; returns its Result (metadata: the bytes go to the output store)."""
+    started, me, task_id = time.time(), child.current(), self.request.id
+    # 1. Cancelled before it started?
+    if me.cancelled(task_id):
+        raise RequestCancelled(f"request {task_id} was cancelled before it started")
+    # 2. Count the attempt: each earlier one ended its replica's process.
+    attempt = me.start_attempt(task_id)
     if attempt > SETTINGS.max_attempts:
-        worker.record_poison(self.request.id, {"prompt": prompt, **kwargs}, attempt - 1)
-        raise PoisonRequest(f"request {self.request.id} ended its replica's process {attempt - 1} times; not "
-                            f"retried again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
-    pipeline = worker.holder()
-    req = validate_request({"prompt": prompt, **kwargs}, size_multiple=pipeline.size_multiple,
-                           max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
-    request_id = req.request_id or self.request.id
-    image, image_sha256 = None, None
-    if req.image is not None:
-        if not pipeline.accepts_image:
-            raise InvalidRequest(f"image={req.image[:40]!r}: model {SETTINGS.model!r} is text-to-video only and "
-                                 "takes no first frame")
-        image, image_sha256 = load_first_frame(
-            req.image, req.width, req.height, max_bytes=SETTINGS.max_image_bytes,
-            timeout_s=SETTINGS.image_timeout_s, image_dir=SETTINGS.image_dir, allow_nets=SETTINGS.fetch_allow,
-            cancelled=lambda: worker.cancelled(self.request.id))
-    params = req.params(image_sha256)
-    key = input_key(params, SETTINGS.model)
-
-    replica = self.request.hostname
-    # At-least-once delivery, one result: a request that already has a result gets it back, and only the
-    # delivery that holds the fence computes (another waits for its result; see lease.py).
-    fence, tok = lease.LOCK_KEY + request_id, lease.token(replica, os.getpid(), self.request.id)
-    done = take_fence(fence, tok, request_id)
-    if done is not None:
-        if done["input_key"] != key:
-            raise RequestIdConflict(f"request_id={request_id!r}: already used for different inputs")
-        return {**done, "redelivered": True}
-    worker.fences().current = (fence, tok)
+        me.record_poison(task_id, {"prompt": prompt, **kwargs}, attempt - 1)
+        raise PoisonRequest(f"request {task_id} ended its replica's process {attempt - 1} times; not retried "
+                            f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
+    # 3. Validate, and fetch the first frame.
+    delivery = Delivery.of(self, {"prompt": prompt, **kwargs}, started)
+    # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer.
+    earlier = delivery.take_fence()
+    if earlier is not None:
+        return earlier
+    me.fences.current = (delivery.fence, delivery.token)  # renewed by the fence keeper thread from now on
     try:
-        return compute(self, req, image, params, key, request_id, replica, fence, tok, started)
+        # 5. Run the pipeline and encode the MP4.
+        video, result = delivery.run()
+        # 6. Store it (the first delivery to store wins) and return its metadata.
+        return delivery.store(video, result)
     finally:
-        worker.fences().current = None
-        lease.release(worker.redis_client(), fence, tok)
+        me.fences.current = None
+        lease.release(me.redis, delivery.fence, delivery.token)
 
 
-def take_fence(fence: str, tok: str, request_id: str) -> dict | None:
-    """Hold the fence of `request_id`, or return its stored result if one exists or appears meanwhile."""
-    store, r = worker.store(), worker.redis_client()
-    waiting_on = None
-    while True:
-        owner = lease.acquire(r, fence, tok, SETTINGS.lease_s)
-        done = store.get_meta(request_id)  # after the fence: a result stored just before we took it counts
-        if owner in ("acquired", "held"):
+@dataclass
+class Delivery:
+    """One delivery of one request to this pool child: what it asks for and who computes it."""
+
+    task: object  # the bound Celery task: its request, update_state
+    req: GenerateRequest
+    image: object  # the first frame (PIL), or None
+    params: dict  # the effective inputs, as reported back
+    input_key: str
+    request_id: str  # the caller's, else the task id
+    token: FenceToken
+    started: float
+    reported: float = 0.0  # when Progress was last written
+
+    @classmethod
+    def of(cls, task, kwargs: dict, started: float) -> "Delivery":
+        """Validate `kwargs` for the loaded model (InvalidRequest names the field) and load the first frame."""
+        pipeline = child.current().pipeline
+        req = validate_request(kwargs, size_multiple=pipeline.size_multiple,
+                               max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
+        image, image_sha256 = None, None
+        if req.image is not None:
+            if not pipeline.accepts_image:
+                raise InvalidRequest.of("image", f"model {SETTINGS.model!r} is text-to-video only and takes no "
+                                        "first frame", value=req.image[:40])
+            image, image_sha256 = load_first_frame(
+                req.image, req.width, req.height, max_bytes=SETTINGS.max_image_bytes,
+                timeout_s=SETTINGS.image_timeout_s, image_dir=SETTINGS.image_dir, allow_nets=SETTINGS.fetch_allow,
+                cancelled=lambda: child.current().cancelled(task.request.id))
+        params = req.params(image_sha256)
+        return cls(task=task, req=req, image=image, params=params, input_key=input_key(params, SETTINGS.model),
+                   request_id=req.request_id or task.request.id,
+                   token=FenceToken(task.request.hostname, os.getpid(), task.request.id), started=started)
+
+    @property
+    def fence(self) -> str:
+        return fence_key(self.request_id)
+
+    def take_fence(self) -> Result | None:
+        """Hold this request's fence and return None; or return the stored result, if one exists or appears
+        while another live delivery holds the fence (this one then waits, holding nothing)."""
+        me, waiting_on = child.current(), None
+        while True:
+            answer = lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s)
+            done = me.store.get_meta(self.request_id)  # after the fence: a result stored just before counts
             if done is not None:
-                lease.release(r, fence, tok)
-            return done
-        if done is not None:
-            return done
-        if owner != waiting_on:
-            log.warning("request %s is being computed by %s; waiting for its result", request_id, owner)
-            waiting_on = owner
-        time.sleep(FENCE_POLL_S)
+                if answer.ours:
+                    lease.release(me.redis, self.fence, self.token)
+                if done["input_key"] != self.input_key:
+                    raise RequestIdConflict.of("request_id", "already used for different inputs",
+                                               value=self.request_id)
+                return {**done, "redelivered": True}
+            if answer.ours:
+                return None
+            if answer.owner != waiting_on:
+                log.warning("request %s is being computed by %s; waiting for its result", self.request_id,
+                            answer.owner)
+                waiting_on = answer.owner
+            time.sleep(FENCE_POLL_S)
 
+    def still_ours(self, answer: FenceAnswer) -> None:
+        """Exit the process unless this delivery still holds the fence. A Redis restart may have expired it (then
+        it is ACQUIRED again); if another delivery holds it, or held it and stored the result, this one was
+        presumed dead (its replica stopped for longer than a lease). Exit, not raise: the message is requeued,
+        not acknowledged, as the shared delivery tag would acknowledge the other delivery's message."""
+        if answer.state == FenceState.ACQUIRED and child.current().store.get_meta(self.request_id) is not None:
+            answer = FenceAnswer(FenceState.TAKEN, "a delivery that stored its result")
+        if not answer.ours:
+            log.error("request %s: fence taken by %s; this delivery stops and its process exits", self.request_id,
+                      answer.owner)
+            os._exit(EXIT_FENCED_OUT)
 
-def compute(task, req, image, params, key, request_id, replica, fence, tok, started) -> dict:
-    """Run the pipeline, encode, store; the result's metadata."""
-    pipeline, store, r = worker.holder(), worker.store(), worker.redis_client()
+    def on_step(self, step: int, total: int) -> None:
+        """At every denoising step: stop if cancelled or fenced out; report Progress now and then."""
+        me = child.current()
+        answer = lease.acquire_unless(me.redis, self.fence, self.token, SETTINGS.lease_s,
+                                      CANCEL_KEY + self.task.request.id)
+        if answer.state == FenceState.CANCELLED:
+            raise RequestCancelled(f"request {self.task.request.id} was cancelled at step {step} of {total}")
+        self.still_ours(answer)
+        if time.monotonic() - self.reported >= PROGRESS_EVERY_S:
+            self.reported = time.monotonic()
+            self.task.update_state(state=RequestState.PROGRESS, meta=Progress(
+                step=step, total_steps=total, replica=self.token.replica, request_id=self.request_id,
+                pid=self.token.pid))
 
-    reported = 0.0  # when PROGRESS was last written
+    def run(self) -> tuple[bytes, Result]:
+        """Denoise, decode and encode: the MP4 and its Result (without its video_uri: the store sets it)."""
+        pipeline = child.current().pipeline
+        inference_started = time.time()
+        frames = pipeline.generate(self.req, self.image, on_step=self.on_step)
+        inferred, cost = time.time(), pipeline.last_run
+        video = encode_mp4(frames, self.req.fps)
+        encoded = time.time()
+        sent_at = self.task.request.get("replicadp_sent_at")
+        return video, Result(
+            request_id=self.request_id, replica=self.token.replica, device=describe_device(pipeline.device),
+            model=SETTINGS.model, params=self.params, input_key=self.input_key, frames_sha256=frames_sha256(frames),
+            video_sha256=hashlib.sha256(video).hexdigest(),
+            timings={
+                "queued_s": round(self.started - sent_at, 4) if sent_at else None,
+                "inference_s": round(inferred - inference_started, 4),
+                "dit_s": round(cost.dit_s, 4) if cost.dit_s is not None else None,
+                "encode_s": round(encoded - inferred, 4),
+                "total_s": round(time.time() - self.started, 4),
+            },
+            dit_flops=cost.dit_flops, peak_memory_gib=cost.peak_memory_gib, execution=str(self.token),
+            redelivered=bool(self.task.request.delivery_info.get("redelivered")))
 
-    def still_ours(owner: str) -> None:
-        # A Redis restart may have expired the fence (taken again: "acquired"). If another delivery holds it, or
-        # held it and stored the result, this one was presumed dead (its replica stopped past a lease): stop, and
-        # requeue rather than ack (the shared delivery tag would otherwise acknowledge the other's message).
-        if owner == "acquired" and store.get_meta(request_id) is not None:
-            owner = "a delivery that stored its result"
-        if owner not in ("acquired", "held"):
-            log.error("request %s: fence taken by %s; this delivery stops and its process exits", request_id, owner)
-            os._exit(75)
-
-    def progress(step, total):
-        nonlocal reported
-        owner = lease.acquire_unless(r, fence, tok, SETTINGS.lease_s, worker.CANCEL_KEY + task.request.id)
-        if owner == "cancelled":
-            raise RequestCancelled(f"request {task.request.id} was cancelled at step {step} of {total}")
-        still_ours(owner)
-        if time.monotonic() - reported >= PROGRESS_EVERY_S:
-            reported = time.monotonic()
-            task.update_state(state="PROGRESS", meta={"step": step, "total_steps": total, "replica": replica,
-                                                       "request_id": request_id, "pid": os.getpid()})
-
-    inference_started = time.time()
-    frames = pipeline.generate(req, image, on_step=progress)
-    inferred, cost = time.time(), pipeline.last_run
-    video = encode_mp4(frames, req.fps)
-    encoded = time.time()
-    sent_at = task.request.get("replicadp_sent_at")
-    meta = {
-        "request_id": request_id,
-        "replica": replica,
-        "device": describe_device(pipeline.device),
-        "model": SETTINGS.model,
-        "params": params,
-        "input_key": key,
-        "frames_sha256": frames_sha256(frames),
-        "video_sha256": hashlib.sha256(video).hexdigest(),
-        "timings": {
-            "queued_s": round(started - sent_at, 4) if sent_at else None,
-            "inference_s": round(inferred - inference_started, 4),
-            "dit_s": round(cost.dit_s, 4) if cost.dit_s is not None else None,  # the denoising loop's share
-            "encode_s": round(encoded - inferred, 4),
-            "total_s": round(time.time() - started, 4),
-        },
-        "dit_flops": cost.dit_flops,
-        "peak_memory_gib": cost.peak_memory_gib,
-        "execution": tok,
-        "redelivered": bool(task.request.delivery_info.get("redelivered")),
-    }
-    still_ours(lease.acquire(r, fence, tok, SETTINGS.lease_s))  # decoding and encoding check no fence
-    stored = store.put(request_id, video, meta)
-    if stored["execution"] != tok:  # another delivery computed it too: fenced wrongly, or an old result
-        r.hincrby(STATS_KEY, "duplicate_executions", 1)
-    worker.record_completion(request_id)
-    return stored
+    def store(self, video: bytes, result: Result) -> Result:
+        """Store the video and its Result unless another delivery stored first; the stored Result."""
+        me = child.current()
+        # Decoding and encoding checked no fence: check it once more before the write.
+        self.still_ours(lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s))
+        stored = me.store.put(self.request_id, video, result)
+        if stored["execution"] != result["execution"]:  # another delivery computed it too
+            me.redis.hincrby(STATS_KEY, "duplicate_executions", 1)
+        me.record_completion(self.request_id)
+        return stored

@@ -16,14 +16,12 @@ from kombu.transport import redis as kombu_redis
 
 from . import message
 from .errors import MessageRefused
+from .keys import DEAD_KEY, STANDBY_PREFIX, STATS_KEY
 from .settings import SETTINGS
 
 log = logging.getLogger("replicadp")
 
-STANDBY_PREFIX = "replicadp.standby."  # + replica name: the private queue a replica starts on (worker.py)
-DEAD_KEY = "replicadp:dead"  # JSON records of requests failed as poison or refused, newest first
 DEAD_KEEP = 1000  # records kept: the reasons of recent failures, bounded however much garbage arrives
-STATS_KEY = "replicadp:stats"  # counters: duplicate_executions, refused_messages
 RAW_KEEP_CHARS = 500  # of a refused message, in its record: enough to recognise it
 
 
@@ -80,3 +78,9 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+def transport_for(url: str) -> str | None:
+    """Celery's broker_transport for `url`: this one for redis:// and rediss://; kombu's own for the others
+    (Sentinel, ...), which go unchecked."""
+    return f"{__name__}:Transport" if url.partition("://")[0] in ("redis", "rediss") else None

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 
 from .errors import InvalidRequest
 
-# The reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
+# generate's defaults are the reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
+# The bench, the CLI and the FLOP counts take it from here.
 DEFAULTS = {
     "negative_prompt": "",
     "seed": 0,
@@ -29,6 +30,8 @@ DEFAULTS = {
     "request_id": None,
 }
 FIELDS = ("prompt", *DEFAULTS)
+REFERENCE_SIZE = f"{DEFAULTS['width']}x{DEFAULTS['height']}"
+REFERENCE_WORK = DEFAULTS["height"] * DEFAULTS["width"] * DEFAULTS["num_frames"] * DEFAULTS["num_inference_steps"]
 
 MAX_SIDE = 4096
 MAX_FRAMES = 1025
@@ -72,11 +75,17 @@ def input_key(params: dict, model: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def parse_size(text: str, field: str = "size") -> tuple[int, int]:
+    """`WIDTHxHEIGHT` (e.g. 832x480) as (width, height), both positive; else InvalidRequest naming `field`."""
+    width, sep, height = text.lower().partition("x") if isinstance(text, str) else ("", "", "")
+    if not (sep and width.isascii() and width.isdigit() and height.isascii() and height.isdigit()
+            and int(width) > 0 and int(height) > 0):
+        raise InvalidRequest.of(field, f"expected WIDTHxHEIGHT, e.g. {REFERENCE_SIZE}", value=text)
+    return int(width), int(height)
+
+
 def _fail(field: str, value, why: str):
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    raise InvalidRequest(f"{field}={shown}: {why}")
+    raise InvalidRequest.of(field, why, value=value)
 
 
 def _int(field: str, value, lo: int, hi: int) -> int:

@@ -14,7 +14,7 @@ reads only what it wrote (valgrind's memcheck, which can follow AVX2, finds noth
 MALLOC_PERTURB_ filling new heap blocks with any byte, the bytes stay the same, tests/test_isolation.py). An
 AVX-512 machine then writes what x264 writes on an AVX2 one. Where libx264 is no shared library this process
 can find, `mbtree=0` turns the macroblock tree off instead: as reproducible, larger files at the same CRF.
-Measurements: docs/reliability.md (isolation) and docs/benchmarks.md (figure 7).
+Measurements: docs/isolation.md and docs/benchmarks.md (figure 7).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import io
 import numpy as np
 
 X264_CPU_AVX512 = 1 << 16  # x264.h: the flag that selects x264's AVX-512 routines
-# In-process libx264 through PyAV: no ffmpeg process to spawn per request (measured: 15 ms instead of 63 ms
-# for 128x128x33 frames, 232 ms instead of 330 ms for 832x480x33). One encoder thread and a bitexact muxer:
-# libx264 writes its thread count into the stream, and the muxer would write its version.
+# In-process libx264 through PyAV: no ffmpeg process to spawn per request (docs/benchmarks.md, figure 1). One
+# encoder thread and a bitexact muxer: libx264 writes its thread count into the stream, and the muxer would
+# write its version.
 _X264 = {"crf": "18", "preset": "veryfast", "threads": "1"}
 
 

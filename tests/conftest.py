@@ -30,8 +30,8 @@ import pytest  # noqa: E402
 import redis  # noqa: E402
 
 from client.api import use_redis  # noqa: E402
-from client.embedded import EmbeddedServer  # noqa: E402
-from client.replicas import Replicas  # noqa: E402
+from client.local.embedded import EmbeddedServer  # noqa: E402
+from client.local.replicas import Replicas  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)

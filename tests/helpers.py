@@ -8,9 +8,9 @@ import time
 import redis
 from celery import states
 
-from replicadp_tasks.pipeline import REFERENCE_WORK
-from replicadp_tasks.validate import MAX_STEPS
-from replicadp_tasks.worker import REPLICA_KEY
+from replicadp_tasks.keys import REPLICA_KEY
+from replicadp_tasks.records import RequestState
+from replicadp_tasks.validate import MAX_STEPS, REFERENCE_WORK
 
 
 def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2):
@@ -34,7 +34,7 @@ def progress(app, task_id: str, what: str) -> dict | None:
     """The PROGRESS info of `task_id`, None before it runs; an error if it ended first (too short a request)."""
     meta = app.backend.get_task_meta(task_id)
     assert meta["status"] not in states.READY_STATES, f"{task_id} ended ({meta['status']}) before {what}"
-    return meta["result"] if meta["status"] == "PROGRESS" else None
+    return meta["result"] if meta["status"] == RequestState.PROGRESS else None
 
 
 def wait_for_step(group, task_id: str, step: int) -> dict:

@@ -14,7 +14,7 @@ from helpers import SYNTHETIC, lasting, wait_for
 from test_http import SMALL, form_of, gateway, multipart
 
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.worker import CANCEL_KEY
+from replicadp_tasks.keys import ADMITTING_KEY, CANCEL_KEY
 
 BURST = 200
 LIMIT = 5
@@ -140,7 +140,7 @@ def test_admitted_requests_not_yet_queued_count_and_expire(redis_db):
     """Requests that some gateway admitted and has not yet pushed count against the limit (here 5 left behind by
     a gateway that died between admitting and sending: 429), until they are ADMIT_STALE_S old (then the next
     request is admitted)."""
-    from client.gateway import ADMIT_STALE_S, ADMITTING_KEY
+    from client.http.admission import ADMIT_STALE_S
 
     url = redis_db()
     client = redis.Redis.from_url(url)

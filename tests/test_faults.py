@@ -20,9 +20,8 @@ from conftest import run_client_on, start_replicas
 from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
                      wait_for_step)
 from replicadp_tasks.errors import PoisonRequest
-from replicadp_tasks.lease import LOCK_KEY
-from replicadp_tasks.transport import DEAD_KEY, STATS_KEY
-from replicadp_tasks.worker import ATTEMPTS_KEY, REPLICA_KEY
+from replicadp_tasks.keys import ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, REPLICA_KEY, STATS_KEY, FenceToken
+from replicadp_tasks.records import RequestState
 
 # What a replica serves after a fault: a small request (two steps, 0.5 s, on the synthetic backend).
 SHORT = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
@@ -58,7 +57,7 @@ def running_pid(group, task_id: str, not_pids=()) -> int:
 def restart_redis(server, folder, down_s: float):
     """SIGKILL the embedded server, and after `down_s` start it again on the same port from its append-only
     file; returns the new server."""
-    from client.embedded import EmbeddedServer
+    from client.local.embedded import EmbeddedServer
 
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait()
@@ -170,7 +169,7 @@ def test_concurrent_deliveries_of_one_request_compute_once(synthetic):
     assert a["execution"] == b["execution"] and a["video_uri"] == b["video_uri"]
     assert sorted([a["redelivered"], b["redelivered"]]) == [False, True]
     assert int(synthetic.redis.hget(STATS_KEY, "duplicate_executions") or 0) == before
-    assert synthetic.redis.get(LOCK_KEY + "fenced-once") is None  # released
+    assert synthetic.redis.get(FENCE_KEY + "fenced-once") is None  # released
 
 
 def test_launcher_restarts_a_dead_replica(redis_db, tmp_path):
@@ -219,7 +218,7 @@ def test_hard_time_limit_replaces_the_process(redis_db, tmp_path):
         group.stop()
     assert not first.ok and first.error.startswith("TimeLimitExceeded"), first.error or first.result["timings"]
     assert second.ok and second.result["replica"] == group.names[0]
-    assert second.result["execution"].split(":")[1] != str(child)  # computed by the replacement child
+    assert FenceToken.parse(second.result["execution"]).pid != child  # computed by the replacement child
 
 
 def test_out_of_memory_fails_the_request_and_the_replica_serves_on(redis_db, tmp_path):
@@ -243,7 +242,7 @@ def test_out_of_memory_fails_the_request_and_the_replica_serves_on(redis_db, tmp
         group.stop()
     assert not first.ok and first.error.startswith("OutOfMemory: height=1024 width=1024 num_frames=81"), \
         first.error or first.result["timings"]
-    assert second.ok and second.result["execution"].split(":")[1] == str(child)  # the same process
+    assert second.ok and FenceToken.parse(second.result["execution"]).pid == child  # the same process
     print(f"\nRSS {rss // 1024} MiB before the request, {rss_after // 1024} MiB after it failed and another ran")
     assert rss_after < rss + 300 * 1024
 
@@ -277,7 +276,7 @@ def test_long_request_outlives_many_leases_and_runs_once(redis_db, tmp_path):
 def running_requests(client: redis.Redis) -> list[dict]:
     """The PROGRESS info of every request running on `client`'s database."""
     metas = [json.loads(client.get(k) or "{}") for k in client.keys("celery-task-meta-*")]
-    return [m["result"] for m in metas if m.get("status") == "PROGRESS"]
+    return [m["result"] for m in metas if m.get("status") == RequestState.PROGRESS]
 
 
 def test_redis_killed_and_restarted_loses_nothing(tmp_path):
@@ -286,7 +285,7 @@ def test_redis_killed_and_restarted_loses_nothing(tmp_path):
     every request completes, none computed twice."""
     import threading
 
-    from client.embedded import EmbeddedServer
+    from client.local.embedded import EmbeddedServer
 
     server = EmbeddedServer(tmp_path / "redis")
     url = server.start()
@@ -316,7 +315,7 @@ def test_result_computed_during_a_long_redis_outage_is_kept(tmp_path):
     """Redis killed while two requests run and kept down for 40 s (longer than the ~30 s a replica used to wait,
     less than REPLICADP_REDIS_OUTAGE=120): both replicas finish computing meanwhile, keep their results, and
     deliver them when Redis is back; nothing is computed twice."""
-    from client.embedded import EmbeddedServer
+    from client.local.embedded import EmbeddedServer
 
     server = EmbeddedServer(tmp_path / "redis")
     url = server.start()
@@ -358,7 +357,7 @@ def test_replacement_child_rides_out_a_redis_restart_before_its_replica_consumes
     stopped; the request is sized from warm-ups to denoise for 3 s, so that the kill finds it running."""
     import threading
 
-    from client.embedded import EmbeddedServer
+    from client.local.embedded import EmbeddedServer
 
     server = EmbeddedServer(tmp_path / "redis")
     url = server.start()

@@ -20,7 +20,7 @@ from replicadp_tasks.errors import FetchError, ImageInputError, RequestCancelled
 from replicadp_tasks.fetch import FAILED, MAX_REDIRECTS, fetch
 from replicadp_tasks.images import load_first_frame
 from replicadp_tasks.settings import Settings
-from replicadp_tasks.worker import CANCEL_KEY
+from replicadp_tasks.keys import CANCEL_KEY
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 SECRET = "SECRET_BANNER_TOKEN=xyz"

@@ -23,8 +23,9 @@ from helpers import SYNTHETIC, lasting, wait_for
 from hypothesis import HealthCheck, given, settings
 from PIL import Image
 
-from client.embedded import _free_port, die_with_parent, stop_pid
-from replicadp_tasks.worker import CANCEL_KEY
+from client.local.embedded import _free_port, die_with_parent, stop_pid
+from replicadp_tasks.keys import CANCEL_KEY
+from replicadp_tasks.records import RequestState
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 SMALL = {"prompt": "a fox in snow", "size": "64x64", "num_frames": "9", "num_inference_steps": "2", "seed": "5"}
@@ -129,7 +130,7 @@ def result_meta(url: str, task_id: str) -> dict | None:
 
 def test_the_gateway_never_imports_torch():
     """The gateway holds no model: importing it (and the CLI that starts it) loads neither torch nor diffusers."""
-    code = "import sys, client.gateway, client.cli; sys.exit('torch' in sys.modules or 'diffusers' in sys.modules)"
+    code = "import sys, client.http, client.cli; sys.exit('torch' in sys.modules or 'diffusers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -283,7 +284,8 @@ def test_utf8_form_text_passes_in_either_encoding(closed):
 def test_form_text_is_checked_across_chunk_boundaries():
     """FormText, fed a multipart body one byte at a time (a character and a header split between chunks), passes
     valid UTF-8, names the field and offset of a bad byte, and leaves file parts alone."""
-    from client.gateway import FormText, GatewayError
+    from client.http.body import FormText
+    from client.http.errors import GatewayError
 
     def feed(body: bytes) -> None:
         check = FormText(MULTIPART.encode())
@@ -368,7 +370,7 @@ def test_deleting_a_running_job_stops_it(slow):
     running = wait_for(job_once(slow, job["id"], lambda j: j["progress"] > 0), f"job {job['id']} to make progress")
     assert running["status"] == "in_progress" and running["replica"]
     assert slow.client.delete(f"/v1/videos/{job['id']}").status_code == 200
-    meta = wait_for(lambda: (m := result_meta(slow.redis_url, job["id"])) and m["status"] == "FAILURE" and m,
+    meta = wait_for(lambda: (m := result_meta(slow.redis_url, job["id"])) and m["status"] == RequestState.FAILURE and m,
                     f"job {job['id']} to fail")
     assert meta["result"]["exc_type"] == "RequestCancelled"
     assert post(slow, "/v1/videos/sync", SMALL).status_code == 200
@@ -384,7 +386,7 @@ def test_a_sync_client_that_goes_away_cancels_its_request(slow):
 
     def cancelled():
         metas = [json.loads(client.get(k)) for k in set(client.keys("celery-task-meta-*")) - before]
-        return [m for m in metas if m["status"] == "FAILURE"]
+        return [m for m in metas if m["status"] == RequestState.FAILURE]
 
     ended = wait_for(cancelled, "the abandoned request to end")
     assert [m["result"]["exc_type"] for m in ended] == ["RequestCancelled"]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from client.api import Outcome
-from client.bench import PROMPTS, check_baseline, describe_mismatch, write_baseline
+from client.bench.isolation import check_baseline, describe_mismatch, write_baseline
+from client.bench.run import PROMPTS
 from conftest import start_replicas
 from replicadp_tasks.video import encode_mp4, frames_sha256
 

@@ -13,15 +13,14 @@ from celery import states
 from prometheus_client import CollectorRegistry
 
 from client.api import _app_for
-from client.metrics import Exporter
-from client.status import queue_head
+from client.ops.metrics import Exporter
+from client.ops.status import queue_head
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, parent_of, wait_for
 from replicadp_tasks import message
 from replicadp_tasks.errors import MessageRefused
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.transport import DEAD_KEY, STATS_KEY
-from replicadp_tasks.worker import REPLICA_KEY
+from replicadp_tasks.keys import DEAD_KEY, REPLICA_KEY, STATS_KEY
 
 
 def envelope(body=None, headers=None, properties=None, **fields) -> dict:

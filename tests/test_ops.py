@@ -24,15 +24,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.api import _app_for, live_replicas
-from client.embedded import EmbeddedServer, die_with_parent, stop_pid
-from client.flower import CredentialsError, credentials
-from client.metrics import Exporter
-from client.replicas import LAUNCHER, stop_group
+from client.local.embedded import EmbeddedServer, die_with_parent, stop_pid
+from client.ops.flower import CredentialsError, credentials
+from client.ops.metrics import Exporter
+from client.local.replicas import LAUNCHER, stop_group
 from conftest import SESSION_DIR, run_client_on, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
+from replicadp_tasks.keys import REPLICA_KEY
+from replicadp_tasks.records import RequestState
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.store import fetch_video
-from replicadp_tasks.worker import REPLICA_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
@@ -378,11 +379,21 @@ def test_health_passes_a_serving_replica_and_fails_an_absent_one(lone_replica):
     assert code == 1 and "no reply to ping" in line
 
 
+def test_redis_url_option_wins_over_the_environment(lone_replica):
+    """--redis-url points a command at its Redis before anything connects, ahead of REDIS_URL (unreachable
+    here): `health` and `status` both find the replica there."""
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0"}
+    for args in (["health", "--replica", lone_replica.name], ["status"]):
+        run = subprocess.run([REPLICADP, *args, "--redis-url", lone_replica.url], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 0 and lone_replica.name in run.stdout, run.stdout + run.stderr
+
+
 def test_health_fails_a_request_stuck_at_one_step(lone_replica, stopped):
     """A pool child that stops mid-request (SIGSTOP: the main process still answers pings) is healthy when
     first seen at its step, and unhealthy once the step has not moved for --stall-after seconds."""
     result = lone_replica.app.send_task("replicadp.generate", kwargs=STEPPED)
-    meta = wait_for(lambda: (lambda m: m if m["status"] == "PROGRESS" else None)(
+    meta = wait_for(lambda: (lambda m: m if m["status"] == RequestState.PROGRESS else None)(
         lone_replica.app.backend.get_task_meta(result.id)), "the request to run", interval=0.01)
     stopped(meta["result"]["pid"])
     code, line = health(lone_replica.name, lone_replica.url)

@@ -15,8 +15,8 @@ from celery import states
 from client.api import _app_for, live_replicas
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, parent_of, wait_for, wait_for_reload, wait_for_step
-from replicadp_tasks.lease import HOLDERS_KEY, LOCK_KEY
-from replicadp_tasks.transport import STATS_KEY
+from replicadp_tasks.keys import FENCE_KEY, HOLDERS_KEY, STATS_KEY, FenceToken
+from replicadp_tasks.records import RequestState
 
 LEASE_S = 2
 
@@ -77,7 +77,7 @@ def test_stopped_main_process_the_copy_waits_for_the_childs_result(group):
         value = result.get(timeout=60)
     finally:
         resume()
-    assert value["replica"] == info["replica"] and value["execution"].split(":")[:2] == [info["replica"], str(info["pid"])]
+    assert value["replica"] == info["replica"] and FenceToken.parse(value["execution"]) == FenceToken(info["replica"], info["pid"], result.id)
     assert duplicates(group) == before
     serves_both(group)
     assert duplicates(group) == before
@@ -100,7 +100,7 @@ def test_stopped_replica_resumes_after_the_copy_finished_and_stores_nothing(grou
         assert value["replica"] != info["replica"]
     finally:
         resume()
-    assert wait_for(lambda: group.redis.get(LOCK_KEY + f"both-stopped-{order.split()[0]}") is None, "the fence released")
+    assert wait_for(lambda: group.redis.get(FENCE_KEY + f"both-stopped-{order.split()[0]}") is None, "the fence released")
     assert duplicates(group) == before
     reloaded(group, info["replica"], child)
     serves_both(group)
@@ -118,7 +118,7 @@ def test_stopped_child_keeps_its_request(group):
     try:
         time.sleep(4 * LEASE_S)  # the fault's length, not a wait for compute
         assert not held_by_other(group, info["replica"])
-        assert group.app.backend.get_task_meta(result.id)["status"] == "PROGRESS"
+        assert group.app.backend.get_task_meta(result.id)["status"] == RequestState.PROGRESS
     finally:
         resume()
     value = result.get(timeout=60)

@@ -12,6 +12,7 @@ from conftest import start_replicas
 from helpers import SYNTHETIC, SYNTHETIC_STEP_S, lasting, wait_for
 from replicadp_tasks import app, generate
 from replicadp_tasks.errors import InvalidRequest, RequestIdConflict
+from replicadp_tasks.records import RequestState
 from replicadp_tasks.tasks import PROGRESS_EVERY_S
 from replicadp_tasks.video import decode_mp4, frames_sha256
 
@@ -75,7 +76,7 @@ def test_progress_is_reported_while_denoising(redis_db):
         def sample() -> bool:
             nonlocal first, last
             meta = other.backend.get_task_meta(result.id)  # state and info read together, not one after the other
-            if meta["status"] == "PROGRESS":
+            if meta["status"] == RequestState.PROGRESS:
                 seen.append(meta["result"])
                 first, last = first or time.monotonic(), time.monotonic()
             return result.ready()
@@ -105,9 +106,12 @@ def test_invalid_request_fails_and_replicas_keep_serving(replicas, bad, message)
     """An invalid request ends in FAILURE with a message naming the field and value, is not retried, and
     both replicas then serve valid requests."""
     result = generate.delay(**{"prompt": "a fox", **SMALL, **bad})
-    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace("+", r"\+")) as err:
         result.get(timeout=60)
-    assert AsyncResult(result.id, app=app).state == "FAILURE"
+    # Rebuilt from the result backend's JSON with its field and value as attributes, not only in the message.
+    field, value = message.split(": ")[0].split("=", 1)
+    assert (err.value.field, err.value.value) == (field, value)
+    assert AsyncResult(result.id, app=app).state == RequestState.FAILURE
     assert set(live_replicas()) == set(replicas.names)
     outcomes = run_all([{"prompt": "still serving", "seed": s, **SMALL} for s in range(4)])
     assert {o.result["replica"] for o in outcomes} == set(replicas.names)
@@ -122,8 +126,9 @@ def test_request_id_is_an_idempotency_key(replicas):
     assert first["request_id"] == again["request_id"] == rid
     assert again["redelivered"] is True and first["redelivered"] is False
     assert again["frames_sha256"] == first["frames_sha256"] and again["timings"] == first["timings"]
-    with pytest.raises(RequestIdConflict, match=rid):
+    with pytest.raises(RequestIdConflict, match=rid) as err:
         generate.delay(prompt="a steam train", seed=2, request_id=rid, **SMALL).get(timeout=60)
+    assert err.value.field == "request_id" and err.value.value == repr(rid)
 
 
 def test_first_frame_image_input(replicas):

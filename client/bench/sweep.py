@@ -8,8 +8,8 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
-from .bench import BenchConfig
-from .replicas import Replicas, scratch_run
+from ..local.replicas import Replicas, scratch_run
+from .run import BenchConfig, add_scaling, run_bench
 
 
 def even_request_count(requested: int, counts: list[int]) -> int:
@@ -20,8 +20,9 @@ def even_request_count(requested: int, counts: list[int]) -> int:
 
 
 def run_sweep(counts: list[int], cfg: BenchConfig, *, model: str, threads: int | None, devices: str,
-              run_bench, log, env: dict | None = None) -> list[dict]:
-    """One bench per N with a fresh set of replicas; concurrency 0 means 2 x N (the queue is never empty)."""
+              log, env: dict | None = None) -> list[dict]:
+    """One bench per N with a fresh set of replicas; concurrency 0 means 2 x N (the queue is never empty).
+    Scaling and efficiency are against the first N."""
     reports = []
     with ExitStack() as stack:
         run_dir, url = scratch_run(stack, "replicadp-sweep-")
@@ -33,15 +34,21 @@ def run_sweep(counts: list[int], cfg: BenchConfig, *, model: str, threads: int |
                           log_path=run_dir / f"replicas-{n}.log"):
                 step = replace(cfg, concurrency=cfg.concurrency or 2 * n, warmup=n if cfg.warmup < 0 else cfg.warmup,
                                label=f"{n} replica(s)")
-                base = reports[0] if reports else None
-                rep = run_bench(step, quiet=True)
-                per_replica_base = (base["videos_per_min"] / base["replicas"]) if base else rep["videos_per_min"] / n
-                rep["scaling"] = rep["videos_per_min"] / (per_replica_base * counts[0])
-                rep["efficiency"] = rep["videos_per_min"] / (per_replica_base * n)
+                rep = run_bench(step)
+                base = reports[0] if reports else rep
+                add_scaling(rep, base["videos_per_min"], base["replicas"])
                 reports.append(rep)
                 log(f"  {n} replica(s): {rep['videos_per_min']:.2f} videos/min, efficiency "
                     f"{100 * rep['efficiency']:.1f}%, {rep['failed']} failed")
     return reports
+
+
+def table_title(model: str, devices: str, threads: int | None, cfg: BenchConfig) -> str:
+    """The table's and the plot's title: the workload, and where it ran."""
+    if devices != "cpu":
+        return f"{model} on GPUs {devices}"
+    return (f"{model}, {cfg.width}x{cfg.height}, {cfg.num_frames} frames, {cfg.steps} steps, {cfg.num_requests} "
+            f"requests, {threads} thread(s)/replica")
 
 
 def write_outputs(reports: list[dict], out_prefix: Path, title: str) -> list[Path]:

@@ -20,15 +20,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from replicadp_tasks import app
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.transport import DEAD_KEY, STATS_KEY
+from replicadp_tasks.keys import DEAD_KEY, STATS_KEY
 
-from .api import redis_url
+from ..api import redis_url
 from .status import queue_head, waited_s
 
 log = logging.getLogger("replicadp.metrics")
 
-# Seconds. A tiny test request is ~0.1 s, Wan2.2-TI2V-5B at 832x480x33x30 ~14 s on an A800, the largest
-# allowed request tens of minutes.
+# Seconds. A tiny test request is ~0.1 s, Wan2.2-TI2V-5B at 832x480x33x30 ~14 s on an A800 (vllm-omni's figure),
+# the largest allowed request tens of minutes.
 LATENCY_BUCKETS = (0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 WAIT_BUCKETS = (0.01, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 RECONNECT_S = 2.0  # pause before reconnecting the event stream (Redis restarting)

@@ -8,12 +8,14 @@ import time
 
 import redis
 from celery.result import AsyncResult
+from rich.progress_bar import ProgressBar
+from rich.table import Table
 
 from replicadp_tasks import app
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.worker import COMPLETED_KEY, REPLICA_KEY
+from replicadp_tasks.keys import COMPLETED_KEY, REPLICA_KEY
 
-from .api import redis_url
+from ..api import redis_url
 
 THROUGHPUT_WINDOWS_MIN = (1, 5, 15)  # videos/min over these recent windows (completions are kept an hour)
 
@@ -26,8 +28,9 @@ def replica_info(client, names) -> dict:
 
 def queue_head(client, queue: str = SETTINGS.queue) -> tuple[int, dict | None]:
     """The queue's depth and the headers of the request a replica takes next (None when empty, {} when it is not
-    a request). kombu LPUSHes and BRPOPs, and puts a requeued request back at the tail: the next request is at
-    index -1, and it is also the one that has waited longest (a requeued request keeps its first sending time)."""
+    a request). kombu LPUSHes a new request and BRPOPs from the other end, where a requeued one is put back
+    (lease.py): the next request is at index -1, and it has waited longest (a requeued request keeps its first
+    sending time)."""
     pipe = client.pipeline()
     pipe.llen(queue)
     pipe.lindex(queue, -1)
@@ -77,3 +80,23 @@ def snapshot() -> dict:
     done = pipe.execute()
     return {"replicas": replicas, "queue": SETTINGS.queue, "queue_depth": depth, "oldest_wait_s": waited_s(head, now),
             **{f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, done)}}
+
+
+def table(snap: dict) -> Table:
+    """A snapshot as the table `replicadp status` prints: one row per replica, the queue in the title."""
+    wait = snap["oldest_wait_s"]
+    waited = f", the next waited {wait:.0f} s" if snap["queue_depth"] and wait is not None else ""
+    rates = ", ".join(f"{snap[f'videos_per_min_{m}m']:.1f} ({m} min)" for m in THROUGHPUT_WINDOWS_MIN)
+    t = Table(title=f"queue {snap['queue']!r}: {snap['queue_depth']} waiting{waited}; videos/min {rates}")
+    for col in ("replica", "device", "model", "serving", "request", "denoising", "step", "running"):
+        t.add_column(col)
+    for r in snap["replicas"]:
+        total = r["total_steps"]
+        step = f"{r['step']}/{total}" if total else ("starting" if r["request_id"] else "idle")
+        bar = ProgressBar(total=total, completed=r["step"] or 0, width=24) if total else ""
+        running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
+        t.add_row(r["name"], str(r["device"]), str(r["model"]), "yes" if r["serving"] else "loading",
+                  str(r["request_id"] or "-"), bar, step, running)
+    if not snap["replicas"]:
+        t.caption = "no live replica"
+    return t

@@ -23,9 +23,10 @@ from celery.result import AsyncResult
 from celery.utils.nodenames import host_format
 
 from replicadp_tasks import app
+from replicadp_tasks.keys import SEEN_KEY
 from replicadp_tasks.settings import SETTINGS
 
-from .api import redis_url
+from ..api import redis_url
 from .status import queue_head, waited_s
 
 # No progress for this long is unhealthy: well above one denoising step or the VAE decode of the largest
@@ -33,7 +34,6 @@ from .status import queue_head, waited_s
 STALL_S = 300.0
 # A replica answers control commands from its main process even while its GPU is busy: seconds, not minutes.
 REPLY_TIMEOUT_S = 5.0
-SEEN_KEY = "replicadp:health:"  # + replica name: {"task", "step", "since"}, the progress last seen
 
 
 @dataclass

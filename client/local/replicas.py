@@ -16,10 +16,10 @@ from pathlib import Path
 
 from replicadp_tasks.settings import STATE_DIR, STATE_FILE
 
-from .api import live_replicas, use_redis
+from ..api import live_replicas, use_redis
 from .embedded import SUPERVISOR_PID, EmbeddedServer, die_with_parent, is_supervisor, stop_pid
 
-LAUNCHER = Path(__file__).resolve().parent.parent / "worker_launch.sh"
+LAUNCHER = Path(__file__).resolve().parents[2] / "worker_launch.sh"
 
 
 def replica_names(n: int) -> list[str]:

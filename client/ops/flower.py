@@ -37,7 +37,7 @@ def credentials(env: dict) -> tuple[str, bool]:
 def command(address: str, port: int) -> list[str]:
     """`celery -A replicadp_tasks flower` through `main` below, run by this interpreter, so that it imports the
     replicadp_tasks and celeryconfig installed beside it."""
-    return [sys.executable, "-m", "client.flower", "-A", "replicadp_tasks", "flower", f"--address={address}",
+    return [sys.executable, "-m", "client.ops.flower", "-A", "replicadp_tasks", "flower", f"--address={address}",
             f"--port={port}"]
 
 

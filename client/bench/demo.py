@@ -13,8 +13,8 @@ from pathlib import Path
 
 from replicadp_tasks.settings import SETTINGS
 
-from .bench import BenchConfig
-from .replicas import Replicas, scratch_run
+from ..local.replicas import Replicas, scratch_run
+from .run import BenchConfig, add_scaling, run_bench
 
 
 @dataclass
@@ -29,8 +29,8 @@ class DemoConfig:
     output_dir: Path = Path("outputs/demo")
 
 
-def run_demo(cfg: DemoConfig, run_bench, log) -> tuple[list[dict], dict]:
-    """Returns (one report per phase, the isolation result). `run_bench` is the CLI's bench body."""
+def run_demo(cfg: DemoConfig, log) -> tuple[list[dict], dict]:
+    """Returns (one report per phase, the isolation result)."""
     with ExitStack() as stack:
         run_dir, url = scratch_run(stack, "replicadp-demo-", log)
         if cfg.model.startswith("tiny"):
@@ -48,10 +48,8 @@ def run_demo(cfg: DemoConfig, run_bench, log) -> tuple[list[dict], dict]:
                 bench = BenchConfig(num_requests=cfg.num_requests, concurrency=concurrency, warmup=n,
                                     width=cfg.width, height=cfg.height, num_frames=cfg.num_frames,
                                     steps=cfg.steps, timeout=300, label=f"{n} replica(s)")
-                rep = run_bench(bench, baseline_tpm=reports[0]["videos_per_min"] if reports else None,
-                                write_baseline=baseline if n == 1 else None,
-                                check_baseline=baseline if n == 2 else None, quiet=True)
-                if n == 1:
-                    rep["scaling"], rep["efficiency"] = 1.0, 1.0
+                rep = run_bench(bench, write_baseline=baseline if n == 1 else None,
+                                check_baseline=baseline if n == 2 else None)
+                add_scaling(rep, (reports[0] if reports else rep)["videos_per_min"])
                 reports.append(rep)
         return reports, {**reports[1]["isolation"], "output_dir": str(output_dir)}

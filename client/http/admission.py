@@ -1,0 +1,76 @@
+"""Admission: the queue-depth limit (`--max-queue`), shared by every gateway of one Redis.
+
+A request is admitted while the shared queue (LLEN) plus the requests admitted and not yet pushed onto it (a
+sorted set of reservations, any gateway's) is under the limit; its reservation counts it until its send has
+pushed it. One Lua script checks and reserves, atomically across gateways: nothing waits for a lock, and the
+one cost is counting a request twice between its push and its release (at worst a 429 a moment early, never
+a queue over the limit). docs/http.md, "Backpressure".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import suppress
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from replicadp_tasks import app as celery_app
+from replicadp_tasks.keys import ADMITTING_KEY, COMPLETED_KEY
+from replicadp_tasks.settings import SETTINGS
+
+from .errors import ErrorCode, GatewayError
+
+# A reservation older than this is dropped: its gateway died (or lost Redis) between admitting and sending. Above
+# the ~30 s a send rides out a Redis restart for (celeryconfig's task_publish_retry_policy).
+ADMIT_STALE_S = 60
+THROUGHPUT_WINDOW_S = 300  # completions over this window estimate Retry-After
+RETRY_AFTER_UNKNOWN_S = 10  # Retry-After when nothing completed lately (no rate to estimate from)
+
+# KEYS: the queue, the reservations; ARGV: the limit, the task id, ADMIT_STALE_S. Returns {admitted, depth}.
+RESERVE = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[3]))
+local depth = redis.call('LLEN', KEYS[1]) + redis.call('ZCARD', KEYS[2])
+if depth >= tonumber(ARGV[1]) then
+  return {0, depth}
+end
+redis.call('ZADD', KEYS[2], now, ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return {1, depth}
+"""
+
+
+class Admission:
+    """Reservations against the limit, `limit` requests waiting in SETTINGS.queue."""
+
+    def __init__(self, client: aioredis.Redis, limit: int):
+        self.client, self.limit = client, limit
+        self.reservations = ADMITTING_KEY + SETTINGS.queue
+        self._reserve = client.register_script(RESERVE)
+
+    async def reserve(self, task_id: str) -> None:
+        """Count `task_id` against the limit until `release`; past the limit, raise the 429 with Retry-After."""
+        admitted, depth = await self._reserve(keys=[SETTINGS.queue, self.reservations],
+                                              args=[self.limit, task_id, ADMIT_STALE_S])
+        if not admitted:
+            wait = await self.retry_after(depth)
+            raise GatewayError(429, f"{depth} requests are waiting (the limit is {self.limit}); retry in about "
+                                    f"{wait} s", code=ErrorCode.QUEUE_FULL, headers={"Retry-After": str(wait)})
+
+    def release(self, task_id: str) -> None:
+        """Once the queue holds the request; called from the thread that sent it. A failed release leaves the
+        reservation to expire after ADMIT_STALE_S."""
+        with suppress(RedisError):
+            celery_app.backend.client.zrem(self.reservations, task_id)
+
+    async def retry_after(self, depth: int) -> int:
+        """Seconds until the queue is likely below the limit again: the requests past it over the cluster's
+        completion rate of the last THROUGHPUT_WINDOW_S (every replica's, not only this gateway's)."""
+        now = time.time()
+        done = await self.client.zcount(COMPLETED_KEY, now - THROUGHPUT_WINDOW_S, now)
+        if not done:
+            return RETRY_AFTER_UNKNOWN_S
+        return max(1, math.ceil((depth - self.limit + 1) * THROUGHPUT_WINDOW_S / done))

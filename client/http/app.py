@@ -1,0 +1,65 @@
+"""The gateway's ASGI app: the routes, the body check, and every error answered as OpenAI's error object."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+
+from replicadp_tasks.errors import StoreError
+from replicadp_tasks.settings import SETTINGS
+
+from .body import FORM_ALLOWANCE, BodyCheck
+from .errors import ErrorCode, error_response
+from .gateway import Gateway
+from .routes import router
+
+
+@asynccontextmanager
+async def lifespan(api: FastAPI):
+    api.state.gateway.start()
+    yield
+    await api.state.gateway.close()
+
+
+async def http_error(_, exc: HTTPException):
+    """A GatewayError, or Starlette's own (an unknown route, a wrong method)."""
+    default = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.HTTP_ERROR
+    return error_response(exc.status_code, str(exc.detail), getattr(exc, "code", default),
+                          getattr(exc, "param", None), exc.headers)
+
+
+async def form_error(_, exc: RequestValidationError):
+    """422 naming the first form field of the wrong type (or missing)."""
+    first = exc.errors()[0]
+    field = str(first["loc"][-1]) if first.get("loc") else None
+    return error_response(422, f"{field}: {first['msg']}", ErrorCode.INVALID_TYPE, field)
+
+
+async def store_error(_, exc: StoreError):
+    """502: the result names a video the gateway cannot read (OUTPUT_DIR not shared with it, an expired key)."""
+    return error_response(502, str(exc), ErrorCode.STORE_UNAVAILABLE)
+
+
+async def redis_down(_, exc: Exception):
+    return error_response(503, f"cannot reach Redis: {exc}", ErrorCode.REDIS_UNAVAILABLE)
+
+
+def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0) -> FastAPI:
+    """The gateway's ASGI app. `max_queue`: requests waiting in the shared queue past which new ones get 429;
+    `sync_timeout`: seconds a sync request waits for its video before a 504 (and the request is cancelled)."""
+    api = FastAPI(title="replicadp HTTP gateway", version="1", lifespan=lifespan,
+                  description="vllm-omni's video API in front of replicadp's replicas; see docs/http.md.")
+    api.state.gateway = Gateway(max_queue, sync_timeout)
+    api.add_middleware(BodyCheck, limit=SETTINGS.max_image_bytes + FORM_ALLOWANCE)
+    api.add_exception_handler(HTTPException, http_error)
+    api.add_exception_handler(RequestValidationError, form_error)
+    api.add_exception_handler(StoreError, store_error)
+    api.add_exception_handler(RedisError, redis_down)
+    api.add_exception_handler(OperationalError, redis_down)  # kombu's: the broker (Redis) is unreachable
+    api.include_router(router)
+    return api

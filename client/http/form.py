@@ -1,0 +1,109 @@
+"""The form both POST routes take, and how it becomes `generate`'s keyword arguments."""
+
+from __future__ import annotations
+
+import base64
+import inspect
+from collections import Counter
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import File, Form, Request, UploadFile
+
+from replicadp_tasks.errors import InvalidRequest
+from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.validate import DEFAULTS, MAX_FPS, MAX_FRAMES, parse_size
+
+from .errors import ErrorCode, GatewayError
+
+
+@dataclass(frozen=True)
+class VideoForm:
+    prompt: str
+    size: str | None
+    width: int | None
+    height: int | None
+    num_frames: int | None
+    seconds: int | None
+    fps: int | None
+    num_inference_steps: int | None
+    guidance_scale: float | None
+    seed: int | None
+    negative_prompt: str | None
+    model: str | None
+    image: str | None  # input_reference, base64
+
+
+async def video_form(
+    request: Request,
+    prompt: Annotated[str, Form(description="What the video shows.")],
+    size: Annotated[str | None, Form(description="WIDTHxHEIGHT, e.g. 832x480; or width and height.")] = None,
+    width: Annotated[int | None, Form(description="Pixels; a multiple of the model's size multiple.")] = None,
+    height: Annotated[int | None, Form()] = None,
+    num_frames: Annotated[int | None, Form(description="Of the form 4k+1.")] = None,
+    seconds: Annotated[int | None, Form(description="Without num_frames: seconds x fps + 1 frames.")] = None,
+    fps: Annotated[int | None, Form(description="Frame rate of the MP4 (default 24).")] = None,
+    num_inference_steps: Annotated[int | None, Form()] = None,
+    guidance_scale: Annotated[float | None, Form()] = None,
+    seed: Annotated[int | None, Form()] = None,
+    negative_prompt: Annotated[str | None, Form()] = None,
+    model: Annotated[str | None, Form(description="Must be the served model, if given.")] = None,
+    input_reference: Annotated[UploadFile | None, File(description="First frame (TI2V): an image file.")] = None,
+) -> VideoForm:
+    """The form as a FastAPI dependency (its parameters are the OpenAPI form schema)."""
+    # A field this gateway does not know (vllm-omni's flow_shift, boundary_ratio, lora...) would be silently
+    # ignored, giving another video than the one asked for: refuse it, as generate refuses unknown arguments.
+    counts = Counter(name for name, _ in (await request.form()).multi_items())
+    unknown = sorted(set(counts) - set(FORM_FIELDS))
+    if unknown:
+        raise GatewayError(400, f"{unknown[0]}: unknown field; accepted: {', '.join(FORM_FIELDS)}",
+                           code=ErrorCode.INVALID_REQUEST, param=unknown[0])
+    # A field given twice would silently take its last value (FastAPI's reading): which one was meant?
+    repeated = sorted(name for name, n in counts.items() if n > 1)
+    if repeated:
+        raise GatewayError(400, f"{repeated[0]}: given {counts[repeated[0]]} times; give each field once",
+                           code=ErrorCode.INVALID_REQUEST, param=repeated[0])
+    image = None
+    if input_reference is not None:
+        data = await input_reference.read(SETTINGS.max_image_bytes + 1)
+        if len(data) > SETTINGS.max_image_bytes:
+            raise GatewayError(413, f"input_reference: more than {SETTINGS.max_image_bytes} bytes "
+                                    "(REPLICADP_MAX_IMAGE_BYTES)", code=ErrorCode.TOO_LARGE, param="input_reference")
+        if not data:
+            raise GatewayError(400, "input_reference: empty file", code=ErrorCode.INVALID_REQUEST,
+                               param="input_reference")
+        image = base64.b64encode(data).decode()
+    return VideoForm(prompt=prompt, size=size, width=width, height=height, num_frames=num_frames, seconds=seconds,
+                     fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
+                     negative_prompt=negative_prompt, model=model, image=image)
+
+
+FORM_FIELDS = [name for name in inspect.signature(video_form).parameters if name != "request"]
+
+
+def generate_kwargs(form: VideoForm) -> dict:
+    """The form as generate's keyword arguments: size into width and height, seconds into num_frames. Raises
+    InvalidRequest for what only the form can get wrong; generate's own validation checks the rest."""
+    width, height = form.width, form.height
+    if form.size is not None:
+        parsed = parse_size(form.size)
+        for name, given, value in (("width", width, parsed[0]), ("height", height, parsed[1])):
+            if given is not None and given != value:
+                raise InvalidRequest.of("size", f"conflicts with {name}={given}", value=form.size)
+        width, height = parsed
+    num_frames = form.num_frames
+    fps = form.fps if form.fps is not None else DEFAULTS["fps"]
+    if num_frames is None and form.seconds is not None and 1 <= fps <= MAX_FPS:  # else validation names fps
+        # Wan counts both ends: 5 s at 24 fps is 121 frames, at 16 fps 81. seconds x fps alone is never of
+        # the form 4k+1 at a frame rate divisible by 4, and frames are never rounded here.
+        num_frames = form.seconds * fps + 1
+        if form.seconds < 1:
+            raise InvalidRequest.of("seconds", "must be at least 1", value=form.seconds)
+        if (num_frames - 1) % 4 or num_frames > MAX_FRAMES:
+            raise InvalidRequest.of("seconds", f"at fps={fps} that is {num_frames} frames (seconds x fps + 1), "
+                                               f"which must be of the form 4k+1 and at most {MAX_FRAMES}; "
+                                               "or pass num_frames", value=form.seconds)
+    kwargs = {"prompt": form.prompt, "negative_prompt": form.negative_prompt, "seed": form.seed, "height": height,
+              "width": width, "num_frames": num_frames, "num_inference_steps": form.num_inference_steps,
+              "guidance_scale": form.guidance_scale, "fps": form.fps, "image": form.image}
+    return {k: v for k, v in kwargs.items() if v is not None}

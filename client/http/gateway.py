@@ -1,0 +1,230 @@
+"""The gateway: what one gateway process knows of the cluster and does to it, for the routes.
+
+It holds no state of its own: a job id is the Celery task id, a job's state is its result in the backend, and
+the list of jobs lives in Redis (keys.JOBS_KEY, JOB_KEY), so several gateways can serve side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from fastapi import Request
+
+from replicadp_tasks import app as celery_app
+from replicadp_tasks import generate
+from replicadp_tasks.errors import InvalidRequest
+from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, REPLICA_KEY
+from replicadp_tasks.records import READY
+from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.validate import validate_request
+
+from ..api import cancel_request, live_replicas, redis_url
+from ..results import ResultWatch
+from .admission import Admission
+from .errors import ErrorCode, GatewayError, invalid
+from .form import VideoForm, generate_kwargs
+from .schema import JobOrder
+
+# The gateway's async Redis connections (everything but the result watch, which has Celery's backend's). A
+# bounded pool that makes a request wait for a free connection: redis-py's default one fails past 100 in use.
+REDIS_CONNECTIONS = 32
+REDIS_WAIT_S = 20  # a request waits this long for one of them, then 503
+CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
+LIVE_CACHE_S = 2.0  # a Celery broadcast takes ~1 s: reuse the live replicas for this long
+DISCONNECT_POLL_S = 1.0  # how often a sync request checks whether its client is still there
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request validated and admitted, not yet sent."""
+
+    task_id: str
+    kwargs: dict  # generate's
+    job: dict  # the job record's request fields (schema.VideoJob's): model, prompt, size, seconds, ...
+
+
+class Gateway:
+    """One per app (`app.state.gateway`). `max_queue`: requests waiting in the shared queue past which new ones
+    get 429; `sync_timeout`: seconds a sync request waits for its video before a 504. Started and closed by the
+    app's lifespan, on its event loop."""
+
+    def __init__(self, max_queue: int, sync_timeout: float):
+        self.sync_timeout = sync_timeout
+        self.redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            redis_url(), max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT_S))
+        self.admission = Admission(self.redis, max_queue)
+        # Not daemon threads: a cancel asked for at shutdown (a sync request cut short) still runs.
+        self.cancels = ThreadPoolExecutor(CANCEL_THREADS, thread_name_prefix="cancel")
+        self.results = ResultWatch(celery_app.backend, self._on_state)
+        self._awaited: dict[str, asyncio.Future] = {}  # task id -> its final result meta, for run_sync
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._replicas: list[dict] | None = None
+        self._refreshed = 0.0
+        self._refresh: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """On the event loop, which the result watch's thread hands final states over to."""
+        self._loop = asyncio.get_running_loop()
+        self.results.start()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.results.close)
+        await self.redis.aclose()
+
+    # --- the live replicas ---------------------------------------------------------------------------------
+
+    async def _read_replicas(self) -> None:
+        names = await asyncio.to_thread(live_replicas, 1.0, redis_url())
+        raws = await self.redis.mget([REPLICA_KEY + n for n in names]) if names else []
+        self._replicas = [{**(json.loads(raw) if raw else {}), "name": n} for n, raw in zip(names, raws)]
+        self._refreshed = time.monotonic()
+
+    async def replicas(self) -> list[dict]:
+        """The live replicas and what each serves (their ReplicaInfo). Refreshed in the background once
+        LIVE_CACHE_S old, so that a request waits for the broadcast only when the gateway has none yet."""
+        stale = time.monotonic() - self._refreshed > LIVE_CACHE_S
+        if stale and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.create_task(self._read_replicas())
+        if self._replicas is None:
+            await asyncio.shield(self._refresh)
+        return self._replicas
+
+    async def served_models(self) -> list[str]:
+        """What the live replicas serve; with none live, REPLICADP_MODEL (the deployment's model)."""
+        return sorted({r["model"] for r in await self.replicas() if r.get("model")}) or [SETTINGS.model]
+
+    async def queue_depth(self) -> int:
+        return await self.redis.llen(SETTINGS.queue)
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    async def admit(self, form: VideoForm) -> Admitted:
+        """Validate as the task will (400), check the model (400) and admit against the queue depth (429).
+        Send what it admitted with `send` or `run_sync`."""
+        live = await self.replicas()
+        # 16 (Wan's smallest) unless the replicas publish their model's multiple; the task checks again anyway.
+        multiple = max((int(r.get("size_multiple") or 16) for r in live), default=16)
+        try:
+            kwargs = generate_kwargs(form)
+            req = validate_request(kwargs, size_multiple=multiple, max_prompt_chars=SETTINGS.max_prompt_chars,
+                                   max_work=SETTINGS.max_work)
+        except InvalidRequest as exc:
+            raise invalid(exc) from None
+        served = await self.served_models()
+        if form.model is not None and form.model not in served:
+            raise GatewayError(400, f"model={form.model!r}: this gateway serves {', '.join(served)}",
+                               code=ErrorCode.MODEL_NOT_FOUND, param="model")
+        task_id = str(uuid.uuid4())
+        await self.admission.reserve(task_id)
+        seconds = form.seconds if form.seconds is not None else f"{req.num_frames / req.fps:g}"
+        job = {"model": form.model or served[0], "prompt": req.prompt, "size": f"{req.width}x{req.height}",
+               "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps}
+        return Admitted(task_id, kwargs, job)
+
+    def _publish(self, admitted: Admitted) -> None:
+        # The AsyncResult is dropped at once: alive, it would hold a pub/sub subscription of Celery's own.
+        generate.apply_async(kwargs=admitted.kwargs, task_id=admitted.task_id)
+        # Here in the thread, so that a send cancelled at shutdown still releases after its push. A failed
+        # send leaves the reservation to expire.
+        self.admission.release(admitted.task_id)
+
+    async def send(self, admitted: Admitted) -> None:
+        await asyncio.to_thread(self._publish, admitted)
+
+    async def run_sync(self, admitted: Admitted, request: Request) -> dict:
+        """Send an admitted request and return its final result meta. If the client goes away, the sync timeout
+        passes or the gateway stops first, the request is cancelled: nobody would collect its video."""
+        task_id = admitted.task_id
+        future = self._loop.create_future()
+        self._awaited[task_id] = future
+        self.results.watch(task_id)  # before sending: no result can come unseen
+        ended = False
+        try:
+            await self.send(admitted)
+            deadline = time.monotonic() + self.sync_timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise GatewayError(504, f"no result after {self.sync_timeout:g} s (is any replica live?); the "
+                                            "request was cancelled", code=ErrorCode.TIMEOUT)
+                done, _ = await asyncio.wait({future}, timeout=min(remaining, DISCONNECT_POLL_S))
+                if done:
+                    ended = True
+                    return future.result()
+                if await request.is_disconnected():
+                    raise GatewayError(499, "client closed the connection; the request was cancelled",
+                                       code=ErrorCode.CLIENT_CLOSED)
+        finally:
+            self.results.unwatch(task_id)
+            del self._awaited[task_id]
+            if not ended:
+                # Even if the send failed or was cut short: cancelling a request never sent does no harm.
+                self.cancels.submit(cancel_request, task_id)
+
+    def _on_state(self, task_id: str, meta: dict) -> None:
+        """From the result watch's thread: hand a final state over to the event loop."""
+        if meta["status"] in READY:
+            self._loop.call_soon_threadsafe(self._settle, task_id, meta)
+
+    def _settle(self, task_id: str, meta: dict) -> None:
+        future = self._awaited.get(task_id)
+        if future is not None and not future.done():  # the same state may come twice
+            future.set_result(meta)
+
+    # --- jobs (async requests) -----------------------------------------------------------------------------
+
+    async def add_job(self, admitted: Admitted) -> dict:
+        """Record an admitted request as a job, before it is sent (a GET right after the POST finds it); returns
+        the job record."""
+        now = time.time()
+        record = {"id": admitted.task_id, "created_at": int(now), **admitted.job}
+        async with self.redis.pipeline() as pipe:
+            pipe.set(JOB_KEY + admitted.task_id, json.dumps(record), ex=SETTINGS.result_ttl_s)
+            pipe.zadd(JOBS_KEY, {admitted.task_id: now})
+            pipe.zremrangebyscore(JOBS_KEY, 0, now - SETTINGS.result_ttl_s)
+            await pipe.execute()
+        return record
+
+    async def forget(self, video_id: str) -> None:
+        async with self.redis.pipeline() as pipe:
+            pipe.delete(JOB_KEY + video_id)
+            pipe.zrem(JOBS_KEY, video_id)
+            await pipe.execute()
+
+    async def job_ids(self, limit: int, after: str | None, order: JobOrder) -> list[str]:
+        """Up to `limit` + 1 job ids in creation order (`desc`: newest first), from the one after `after`: the
+        one past the page says whether there is more."""
+        start = 0
+        if after is not None:
+            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(JOBS_KEY, after)
+            if rank is None:
+                raise GatewayError(400, f"after={after!r}: no such video job", code=ErrorCode.INVALID_REQUEST,
+                                   param="after")
+            start = rank + 1
+        read = self.redis.zrevrange if order == "desc" else self.redis.zrange
+        return [i.decode() for i in await read(JOBS_KEY, start, start + limit)]
+
+    async def job_records(self, ids: list[str]) -> list[tuple[dict, dict | None]]:
+        """(record, result meta) of each job that still has a record."""
+        if not ids:
+            return []
+        backend = celery_app.backend
+        records = await self.redis.mget([JOB_KEY + i for i in ids])
+        metas = await self.redis.mget([backend.get_key_for_task(i) for i in ids])
+        return [(json.loads(rec), backend.decode_result(meta) if meta else None)
+                for rec, meta in zip(records, metas) if rec]
+
+    async def job(self, video_id: str) -> tuple[dict, dict | None]:
+        """(record, result meta) of one job; 404 without a record."""
+        found = await self.job_records([video_id])
+        if not found:
+            raise GatewayError(404, f"video_id={video_id!r}: no such video job (unknown, deleted, or older than "
+                                    f"REPLICADP_RESULT_TTL={SETTINGS.result_ttl_s} s)", code=ErrorCode.NOT_FOUND,
+                               param="video_id")
+        return found[0]

@@ -1,0 +1,106 @@
+"""The routes: vllm-omni's video API (`/v1/videos/sync`, `/v1/videos`), `/v1/models` and `/health`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+from kombu.exceptions import OperationalError
+
+from replicadp_tasks.records import RequestState
+
+from ..api import cancel_request, fetch_video
+from .errors import ErrorCode, GatewayError, failure
+from .form import VideoForm, video_form
+from .gateway import Gateway
+from .jobs import job_view, video_response
+from .schema import ERRORS, Health, JobOrder, ModelCard, ModelList, VideoDeleted, VideoJob, VideoList
+
+router = APIRouter()
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(gateway)]
+VideoFormDep = Annotated[VideoForm, Depends(video_form)]
+
+
+@router.post("/v1/videos/sync", response_class=Response, responses={
+    200: {"content": {"video/mp4": {}}, "description": "The MP4, with X-Request-Id, X-Model, X-Replica and "
+                                                      "X-Inference-Time-S headers."}, **ERRORS})
+async def create_video_sync(request: Request, form: VideoFormDep, gw: GatewayDep):
+    """Generate one video and answer with its MP4 bytes."""
+    meta = await gw.run_sync(await gw.admit(form), request)
+    if meta["status"] != RequestState.SUCCESS:
+        raise failure(meta)
+    return video_response(meta["result"], await asyncio.to_thread(fetch_video, meta["result"]))
+
+
+@router.post("/v1/videos", response_model=VideoJob, responses=ERRORS)
+async def create_video(form: VideoFormDep, gw: GatewayDep):
+    """Queue one video; answers at once with the job (poll GET /v1/videos/{id})."""
+    admitted = await gw.admit(form)
+    record = await gw.add_job(admitted)
+    try:
+        await gw.send(admitted)
+    except OperationalError:  # the broker is down: no job was made (503), so none must be listed
+        await gw.forget(admitted.task_id)
+        raise
+    return job_view(record, None)
+
+
+@router.get("/v1/videos", response_model=VideoList, responses=ERRORS)
+async def list_videos(gw: GatewayDep, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
+                      order: JobOrder = "desc"):
+    """Jobs created through any gateway of this Redis, newest first (order=asc: oldest first)."""
+    ids = await gw.job_ids(limit, after, order)
+    jobs = [job_view(record, meta) for record, meta in await gw.job_records(ids[:limit])]
+    return VideoList(data=jobs, first_id=jobs[0].id if jobs else None, last_id=jobs[-1].id if jobs else None,
+                     has_more=len(ids) > limit)
+
+
+@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=ERRORS)
+async def get_video(video_id: str, gw: GatewayDep):
+    """One job: status, progress (0-100, from the denoising step), error."""
+    return job_view(*await gw.job(video_id))
+
+
+@router.get("/v1/videos/{video_id}/content", response_class=Response, responses={
+    200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."}, **ERRORS})
+async def get_video_content(video_id: str, gw: GatewayDep):
+    """The MP4 of a completed job, the same bytes a sync request for the same input answers."""
+    record, meta = await gw.job(video_id)
+    job = job_view(record, meta)
+    if job.status != "completed":
+        raise GatewayError(409, f"video_id={video_id!r}: the job is {job.status}, not completed",
+                           code=ErrorCode.NOT_COMPLETED, param="video_id")
+    return video_response(meta["result"], await asyncio.to_thread(fetch_video, meta["result"]))
+
+
+@router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
+async def delete_video(video_id: str, gw: GatewayDep):
+    """Cancel the job if it is queued (it never runs) or running (it stops at its next denoising step), and
+    forget it. A completed job's video stays in the output store."""
+    if job_view(*await gw.job(video_id)).status in ("queued", "in_progress"):
+        await asyncio.to_thread(cancel_request, video_id)
+    await gw.forget(video_id)
+    return VideoDeleted(id=video_id, deleted=True)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(gw: GatewayDep):
+    """The served model (what the live replicas load; REPLICADP_MODEL while none is live)."""
+    loaded = {r.get("model"): int(r.get("loaded_at", 0)) for r in await gw.replicas()}
+    return ModelList(data=[ModelCard(id=m, created=loaded.get(m, 0)) for m in await gw.served_models()])
+
+
+@router.get("/health", response_model=Health, responses={503: {"model": Health}})
+async def health(gw: GatewayDep):
+    """200 while at least one replica is live, else 503."""
+    names = [r["name"] for r in await gw.replicas()]
+    body = Health(status="ok" if names else "unavailable", replicas=names, queue_depth=await gw.queue_depth())
+    return JSONResponse(body.model_dump(), status_code=200 if names else 503)

@@ -1,0 +1,1 @@
+"""Operations tools: `status`, `health`, the Prometheus exporter and Flower."""

@@ -1,0 +1,42 @@
+"""What a long run shows while it runs, for the bench, the demo, the sweep and `replicadp submit`: the console, a
+progress bar of requests with the denoising step of those in flight, and the wait for a first live replica."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .api import ClientError, InFlight, live_replicas
+
+# Piped output (logs, CI, tests) is not wrapped at 80 columns.
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+
+def progress_bar() -> Progress:
+    """Requests done out of the total, time elapsed, and `flight` (flight_text) after them."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.fields[flight]}"), console=console, transient=True)
+
+
+def flight_text(in_flight: list[InFlight]) -> str:
+    """`[replica step/steps]` for up to four running requests."""
+    running = [f for f in in_flight if f.total_steps]
+    return " ".join(f"[{f.replica or '?'} {f.step}/{f.total_steps}]" for f in running[:4])
+
+
+def wait_for_replicas(timeout: float) -> list[str]:
+    """The live replicas, waiting up to `timeout` seconds for the first one; ClientError if none comes."""
+    live = live_replicas()
+    if not live:
+        console.print(f"[yellow]no live replica yet; waiting up to {timeout:.0f} s (start some with worker_launch.sh "
+                      "or `replicadp up`)[/yellow]")
+        deadline = time.monotonic() + timeout
+        while not live and time.monotonic() < deadline:
+            time.sleep(1.0)
+            live = live_replicas()
+        if not live:
+            raise ClientError(f"no live replica after {timeout:.0f} s")
+    return live

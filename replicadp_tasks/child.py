@@ -1,0 +1,62 @@
+"""The pool child: the process that runs `generate`. What it holds (the resident pipeline, the output store, its
+Redis clients) and the records it keeps in Redis. Set once, by worker.py, after the model has loaded. It
+connects no signal and adds no bootstep (worker.py does), so producers import tasks.py without side effects.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from redis import Redis
+
+from .keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY
+from .lease import FenceKeeper
+from .pipeline import PipelineHolder
+from .settings import SETTINGS
+from .transport import record_dead
+
+
+@dataclass
+class PoolChild:
+    pipeline: PipelineHolder  # loaded: the model stays resident between requests
+    store: object  # DirStore or RedisStore (store.py)
+    redis: Redis  # rides out a Redis restart (store.outage_tolerant)
+    fences: FenceKeeper  # renews the fence of the request being computed, from a thread
+
+    def cancelled(self, task_id: str) -> bool:
+        return bool(self.redis.exists(CANCEL_KEY + task_id))
+
+    def start_attempt(self, task_id: str) -> int:
+        """Count one more start of this task (redeliveries keep the task id); returns the count."""
+        pipe = self.redis.pipeline()
+        pipe.incr(ATTEMPTS_KEY + task_id)
+        pipe.expire(ATTEMPTS_KEY + task_id, SETTINGS.result_ttl_s)
+        return pipe.execute()[0]
+
+    def record_poison(self, task_id: str, kwargs: dict, attempts: int) -> None:
+        record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process {attempts} "
+                                 "times", "kwargs": kwargs, "attempts": attempts})
+
+    def record_completion(self, request_id: str) -> None:
+        now = time.time()
+        pipe = self.redis.pipeline()
+        pipe.zadd(COMPLETED_KEY, {request_id: now})
+        pipe.zremrangebyscore(COMPLETED_KEY, 0, now - 3600)
+        pipe.execute()
+
+
+_child: PoolChild | None = None
+
+
+def current() -> PoolChild:
+    """This pool child's state; raises outside a replica's pool child (nothing loaded there)."""
+    if _child is None:
+        raise RuntimeError("no pipeline loaded: generate runs only in a replica's pool child")
+    return _child
+
+
+def become(child: PoolChild) -> None:
+    """In a replica's pool child, once its model has loaded (worker.py)."""
+    global _child
+    _child = child

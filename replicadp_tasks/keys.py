@@ -1,0 +1,64 @@
+"""The Redis key schema: every key replicadp reads or writes, who writes it, and the fence's token.
+
+Imported by replicas, the producer API, the HTTP gateway and the operations tools alike; it imports nothing, so
+that learning a key name starts no Celery machinery. docs/architecture.md draws who writes which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- written by the replica's pool child ------------------------------------------------------------------
+REPLICA_KEY = "replicadp:replica:"  # + replica name: JSON ReplicaInfo, what it serves (after its model loaded)
+COMPLETED_KEY = "replicadp:completed"  # sorted set, request_id -> completion time, the last hour (throughput)
+ATTEMPTS_KEY = "replicadp:attempts:"  # + task id: how many times a delivery of it has started
+FENCE_KEY = "replicadp:lock:"  # + request_id: the FenceToken of the delivery computing it (lease.py)
+STORE_KEY = "replicadp:store:"  # + request_id + ".mp4" / ".json": the video and its Result (REPLICADP_STORE=redis)
+
+# --- written by the replica's main process ----------------------------------------------------------------
+ALIVE_KEY = "replicadp:alive:"  # + replica name: heartbeat, expires a lease after its last renewal
+HOLDERS_KEY = "replicadp:holders"  # hash, delivery tag -> replica name holding that message
+STANDBY_PREFIX = "replicadp.standby."  # + replica name: the private queue a replica starts on (worker.py)
+
+# --- written by both: refused messages by the main process, poison requests and duplicates by the pool child
+DEAD_KEY = "replicadp:dead"  # list of JSON records of requests failed as poison or refused, newest first
+STATS_KEY = "replicadp:stats"  # hash of counters: refused_messages, duplicate_executions
+
+# --- written by kombu (the broker side of Celery), read by the lease sweep --------------------------------
+UNACKED_KEY = "unacked"  # hash, delivery tag -> message delivered and not yet acknowledged
+UNACKED_INDEX_KEY = "unacked_index"  # sorted set of the same tags, scored by delivery time
+# Celery's result backend: `celery-task-meta-<task id>`, a Result or Progress (records.py) under its state.
+
+# --- written by producers ---------------------------------------------------------------------------------
+CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request, read at every step
+
+# --- written by the HTTP gateways (shared by all of them) -------------------------------------------------
+JOBS_KEY = "replicadp:http:jobs"  # sorted set: job id -> creation time
+JOB_KEY = "replicadp:http:job:"  # + job id: the job's request as created (JSON), kept REPLICADP_RESULT_TTL
+ADMITTING_KEY = "replicadp:http:admitting:"  # + queue: sorted set, task id -> admission time (client/http)
+
+# --- written by `replicadp health` ------------------------------------------------------------------------
+SEEN_KEY = "replicadp:health:"  # + replica name: {"task", "step", "since"}, the progress last seen
+
+
+def fence_key(request_id: str) -> str:
+    return FENCE_KEY + request_id
+
+
+@dataclass(frozen=True)
+class FenceToken:
+    """Who computes a request: one pool child running one delivery. The pool child takes the fence with it and
+    renews it; its main process renews and releases the same fence from its own view of the request (lease.py).
+    Both build it here: a token that differed by a character would silently stop the main process's renewal."""
+
+    replica: str
+    pid: int
+    task_id: str
+
+    def __str__(self) -> str:
+        return f"{self.replica}:{self.pid}:{self.task_id}"
+
+    @classmethod
+    def parse(cls, text: str) -> "FenceToken":
+        replica, pid, task_id = text.rsplit(":", 2)
+        return cls(replica, int(pid), task_id)

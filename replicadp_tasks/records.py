@@ -1,0 +1,74 @@
+"""What crosses a process or the wire: a request's states and the records a replica writes (JSON in Redis)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TypedDict
+
+
+class RequestState(StrEnum):
+    """A request's state in Celery's result backend: Celery's own states, plus PROGRESS (a denoising step)."""
+
+    PENDING = "PENDING"  # queued, or unknown
+    STARTED = "STARTED"  # a replica took it
+    PROGRESS = "PROGRESS"  # running; its Progress says the step
+    SUCCESS = "SUCCESS"  # its Result is stored
+    FAILURE = "FAILURE"  # failed; the result is the exception
+    RETRY = "RETRY"
+    REVOKED = "REVOKED"
+
+
+READY = frozenset({RequestState.SUCCESS, RequestState.FAILURE, RequestState.REVOKED})  # states that do not change
+
+
+class Progress(TypedDict):
+    """A running request's report, at most every PROGRESS_EVERY_S (tasks.py)."""
+
+    step: int
+    total_steps: int
+    replica: str
+    request_id: str
+    pid: int
+
+
+class Timings(TypedDict):
+    queued_s: float | None  # from the send to the start (None: no send time in the message)
+    inference_s: float
+    dit_s: float | None  # the denoising loop's share of inference_s
+    encode_s: float
+    total_s: float
+
+
+class Result(TypedDict, total=False):
+    """A successful request's metadata, as stored beside its MP4 and returned by `generate`."""
+
+    request_id: str
+    replica: str
+    device: str
+    model: str
+    params: dict  # GenerateRequest.params(): every input that changes the output, the image by its hash
+    input_key: str  # sha256 of params and model (validate.input_key)
+    frames_sha256: str
+    video_sha256: str
+    timings: Timings
+    dit_flops: int | None
+    peak_memory_gib: float | None
+    execution: str  # the FenceToken of the delivery that computed it
+    redelivered: bool  # this delivery returned a result that another (or an earlier one) stored
+    video_uri: str  # file://... or redis-key:... (set by the store)
+
+
+class ReplicaInfo(TypedDict):
+    """What a replica serves, under REPLICA_KEY + name once its model is loaded."""
+
+    name: str
+    model: str
+    device: str
+    size_multiple: int
+    accepts_image: bool
+    attention: str
+    compile: str
+    deterministic: bool
+    pid: int
+    load_s: float
+    loaded_at: float
