@@ -17,8 +17,8 @@ from replicadp_tasks.validate import DEFAULTS
 
 from ..api import ClientError, Outcome, check_redis, fetch_video, redis_url, run_requests
 from ..ops.status import replica_info
-from . import isolation
 from ..progress import flight_text, progress_bar, wait_for_replicas
+from . import isolation
 
 PROMPTS = (
     "A red fox trotting through fresh snow in a pine forest at dawn, cinematic lighting",
