@@ -76,11 +76,16 @@ def redis_url() -> str:
     return app.conf.broker_url
 
 
+def _on(url: str) -> dict:
+    """The Celery settings that name the Redis at `url`: broker, result backend, and the transport for its scheme."""
+    return {"broker_url": url, "result_backend": url, "broker_transport": transport_for(url)}
+
+
 def use_redis(url: str) -> None:
     """Point this process, and the replicas it starts, at `url`: for a server started after import (the demo,
     the tests). Call it once, before the first request: the app's connection pools keep the first URL."""
     os.environ["REDIS_URL"] = url
-    app.conf.update(broker_url=url, result_backend=url, broker_transport=transport_for(url))
+    app.conf.update(_on(url))
 
 
 def check_redis(url: str | None = None, timeout: float = 3.0) -> None:
@@ -89,7 +94,8 @@ def check_redis(url: str | None = None, timeout: float = 3.0) -> None:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping()
     except redis.exceptions.RedisError as exc:
-        raise ClientError(f"cannot reach Redis at {redacted(url)} (set REDIS_URL or --redis-url, or run `replicadp up`): {exc}") from exc
+        raise ClientError(f"cannot reach Redis at {redacted(url)} (set REDIS_URL or --redis-url, or run "
+                          f"`replicadp up`): {exc}") from exc
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +104,7 @@ def _app_for(url: str) -> Celery:
     connection argument alone would not reach replicas on another server or DB."""
     other = Celery("replicadp", set_as_current=False)
     other.config_from_object("celeryconfig")
-    other.conf.update(broker_url=url, result_backend=url, broker_transport=transport_for(url))
+    other.conf.update(_on(url))
     return other
 
 

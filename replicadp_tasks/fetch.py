@@ -37,9 +37,10 @@ def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence =
     redirect). Addresses that are not public are refused unless they lie in `allow_nets` (ip_network objects).
     `cancelled()` is polled every POLL_S; True raises RequestCancelled. Errors name `field` and the setting that
     bounds what was exceeded; any other failure raises FetchError."""
-    label = f"{field}={url[:80]!r}"
+    named = (field, repr(url[:80]))  # an error's field and value
+    label = "=".join(named)
     end = time.monotonic() + deadline_s
-    download = _Download(url, (field, repr(url[:80])), max_bytes, allow_nets, bytes_setting, end)
+    download = _Download(url, named, max_bytes, allow_nets, bytes_setting, end)
     # The download runs in a thread of its own, so that this one answers at the deadline or a cancel whatever
     # the download is blocked in (a DNS lookup, a server sending a byte now and then); abort() then shuts its
     # socket down so that it stops too.
@@ -53,7 +54,7 @@ def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence =
             if cancelled is not None and cancelled():
                 raise RequestCancelled(f"{label}: cancelled during the download")
             if time.monotonic() >= end:
-                raise FetchError(f"{label}: took longer than {deadline_s:g} s ({deadline_setting})", field, repr(url[:80]))
+                raise FetchError(f"{label}: took longer than {deadline_s:g} s ({deadline_setting})", *named)
     finally:
         download.abort()
     if download.error is not None:

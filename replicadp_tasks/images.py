@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 from .errors import FetchError, ImageInputError
 from .fetch import fetch
 
+
 def _refused(value: str, why: str) -> ImageInputError:
     return ImageInputError(f"image={value!r}: {why}", "image", repr(value))
 
@@ -44,8 +45,8 @@ def _read_bytes(image: str, max_bytes: int, timeout_s: int, image_dir: Path | No
         if data is None:
             # Not base64 (a file name has a '.'): a local path, allowed only under REPLICADP_IMAGE_DIR.
             if image_dir is None:
-                raise _refused(image[:80], "neither base64 nor a URL, and local paths "
-                                      "are refused unless REPLICADP_IMAGE_DIR is set") from None
+                raise _refused(image[:80], "neither base64 nor a URL, and local paths are refused unless "
+                               "REPLICADP_IMAGE_DIR is set") from None
             data = _local(image_dir, image, max_bytes)
     if len(data) > max_bytes:
         raise ImageInputError.of("image", f"more than {max_bytes} bytes (REPLICADP_MAX_IMAGE_BYTES)")

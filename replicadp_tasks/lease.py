@@ -18,8 +18,8 @@ A sweeper that has just (re)connected waits one lease first, so that a Redis res
 heartbeat at once, does not look like every replica dying.
 
 The delivery tag stays the same when kombu redelivers a message, so the tag alone cannot tell two deliveries
-apart: the fence lock carries a FenceToken (`<replica>:<pid>:<task id>`, keys.py), and a delivery that finds the lock held by a live
-other waits for that one's result instead of computing its own.
+apart: the fence lock carries a FenceToken (`<replica>:<pid>:<task id>`, keys.py), and a delivery that finds
+the lock held by a live other waits for that one's result instead of computing its own.
 
 Who renews what. The heartbeat and the holders: the main process, which holds the messages. The fence: both the
 pool child computing the request (a thread, `FenceKeeper`, and every denoising step) and its main process. So
@@ -72,9 +72,11 @@ class FenceAnswer(NamedTuple):
         return self.state in (FenceState.ACQUIRED, FenceState.HELD)
 
 
-def request_fence(kwargs: dict, task_id: str) -> str:
-    """The fence key of a Celery request, from its kwargs (its request_id, else its task id)."""
-    return fence_key(str(kwargs.get("request_id") or task_id))
+def fence_of(req) -> tuple[str, FenceToken]:
+    """The fence key and token of a Celery request running in a pool child, as the main process sees it: the
+    same pair that tasks.Delivery builds in the child (its request_id, else its task id)."""
+    return (fence_key(str((req.kwargs or {}).get("request_id") or req.id)),
+            FenceToken(req.hostname, req.worker_pid, req.id))
 
 
 def _answer(reply: bytes) -> FenceAnswer:
@@ -151,7 +153,7 @@ class Keeper:
         self.healthy_since: float | None = None
         self.started = False  # False until the first sweep: what this name holds then is a previous process's
         self.missing: dict[str, float] = {}  # tag recorded as ours but not among our requests -> since when
-        self.fences: dict[str, str] = {}  # fence key -> token, of the requests running here at the last tick
+        self.fences: dict[str, FenceToken] = {}  # fence key -> token, of the requests running here at the last tick
         self.qos = None  # kombu's Redis QoS of the replica's channel: its restore_by_tag requeues a message
 
     def run(self, requests) -> None:
@@ -176,18 +178,17 @@ class Keeper:
         fences of requests that ended here (a pool child killed mid-request cannot release its own, and its
         requeued request must not wait a lease for it); then sweep.
         `requests`: the Celery requests this process holds."""
-        fences = {request_fence(req.kwargs or {}, req.id): str(FenceToken(req.hostname, req.worker_pid, req.id))
-                  for req in requests if req.worker_pid}
+        fences = dict(fence_of(req) for req in requests if req.worker_pid)
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(ALIVE_KEY + self.name, str(time.time()), px=self.lease_s * 1000)
             for req in requests:
                 pipe.hset(HOLDERS_KEY, req.message.delivery_tag, self.name)
             for key, tok in fences.items():
-                pipe.eval(_RENEW, 1, key, tok, self.lease_s * 1000)
+                pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
             for key, tok in self.fences.items():
                 if fences.get(key) != tok:
-                    pipe.eval(_RELEASE, 1, key, tok)
+                    pipe.eval(_RELEASE, 1, key, str(tok))
             pipe.execute()
             self.fences = fences
             now = time.time()
@@ -238,7 +239,7 @@ class Keeper:
         """The pool child running `req` died: release its fence and requeue its message now, not at the next
         tick (the requeued request would wait on the fence)."""
         if req.worker_pid:
-            release(self.redis, request_fence(req.kwargs or {}, req.id), FenceToken(req.hostname, req.worker_pid, req.id))
+            release(self.redis, *fence_of(req))
         self.requeue(req.message.delivery_tag, self.name, "its pool child was lost")
 
     def requeue(self, tag: str, holder: str | None, why: str) -> None:

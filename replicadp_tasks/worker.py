@@ -1,8 +1,9 @@
 """A replica's life cycle: load the pipeline in the pool child, then start taking requests.
 
 The main process would reserve a request as soon as it starts consuming, while its child is still
-loading the model, and the request would wait beside an idle, ready replica. So a replica starts on a private standby queue, and the child, once its model is resident, asks its own main
-process to consume the shared queue. When the child dies (killed, or past the hard time limit), the main
+loading the model, and the request would wait beside an idle, ready replica. So a replica starts on a
+private standby queue, and the child, once its model is resident, asks its own main process to consume the
+shared queue. When the child dies (killed, or past the hard time limit), the main
 process stops consuming the shared queue before it lets go of the request, and the replacement child
 opens it again once it has reloaded the model: meanwhile the request runs on a replica that is ready.
 """

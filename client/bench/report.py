@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from .isolation import describe_mismatch, verdict
 from ..progress import console
+from .isolation import describe_mismatch, verdict
 
 
 def fmt(x, spec=".2f") -> str:
