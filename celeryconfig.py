@@ -1,6 +1,7 @@
 """Every Celery setting replicadp uses, each with the reason for it. Values come from
 replicadp_tasks.settings, which reads the environment once at start-up."""
 
+from replicadp_tasks.scheduling import LEVELS as _LEVELS
 from replicadp_tasks.settings import SETTINGS as _S
 from replicadp_tasks.transport import transport_for as _transport_for
 
@@ -52,7 +53,8 @@ task_soft_time_limit = _S.soft_time_limit_s
 task_time_limit = _S.time_limit_s
 # Redis redelivers an unacknowledged message after visibility_timeout: keep it above the hard limit,
 # or a long request runs twice.
-broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300}
+# One list per replicadp priority (scheduling.py), read in that order; kombu's default has a fourth.
+broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300, "priority_steps": _LEVELS}
 # Sending a request rides out a Redis restart (~30 s of retries) instead of failing the caller.
 task_publish_retry_policy = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 # An unreachable Redis is a clear error within seconds, not a hang.

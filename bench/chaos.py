@@ -171,7 +171,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
         raise click.BadParameter(f"{kinds}: each must be one of {FAULTS}", param_hint="--faults")
     run_dir = Path(tempfile.mkdtemp(prefix="replicadp-chaos-"))
     server = EmbeddedServer(run_dir / "redis")
-    chaos, outcomes, serving = None, [], 0
+    chaos, outcomes, serving, twice = None, [], 0, 0
     try:
         url = server.start()
         use_redis(url)
@@ -181,8 +181,12 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
                          env={"OUTPUT_DIR": str(run_dir / "out"), "REPLICADP_MAX_ATTEMPTS": "5",
                               "TMPDIR": str(run_dir / "tmp")}).start()
         try:
+            # Every priority and four users (one unnamed) mixed: requeues go back to the head of their own
+            # priority's list, and the round robin places each new request among them.
             requests = [{"prompt": f"chaos {i}", "seed": i, "height": height, "width": width,
-                         "num_frames": num_frames, "num_inference_steps": steps} for i in range(count)]
+                         "num_frames": num_frames, "num_inference_steps": steps,
+                         "priority": ("interactive", "normal", "batch")[i % 3],
+                         "user": ("a", "b", "c", None)[i % 4]} for i in range(count)]
             chaos = Chaos(server, seed, interval, redis_down, stop_s, kinds)
             thread = threading.Thread(target=chaos.run, daemon=True)
             started = time.time()
@@ -206,7 +210,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
         (chaos.server if chaos else server).stop()
         if chaos:
             chaos.release.set()
-        if chaos and all(o.ok for o in outcomes) and len(outcomes) == count and serving == n:
+        if chaos and all(o.ok for o in outcomes) and len(outcomes) == count and serving == n and not twice:
             shutil.rmtree(run_dir, ignore_errors=True)
         else:
             print(f"chaos: kept {run_dir} (logs, Redis data) for a look", file=sys.stderr)

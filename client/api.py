@@ -20,6 +20,7 @@ import redis
 from celery import Celery
 
 from replicadp_tasks import app, generate
+from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.keys import CANCEL_KEY
 from replicadp_tasks.records import RequestState, Result
 from replicadp_tasks.settings import SETTINGS
@@ -184,7 +185,10 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
                 watch.watch(task_id)  # before sending: no state of it passes unseen
                 flying[task_id] = InFlight(Outcome(index, request, task_id, time.time()))
                 # Keep only the id: an AsyncResult would keep a pub/sub subscription whose messages nobody reads.
-                generate.apply_async(kwargs=request, task_id=task_id)
+                try:
+                    generate.apply_async(kwargs=request, task_id=task_id)
+                except InvalidRequest as exc:  # refused before it was sent (its priority or user)
+                    yield settle(task_id, {"status": RequestState.FAILURE, "result": exc}, time.time())
             try:
                 task_id, meta = states.get(timeout=SWEEP_S)
             except queue.Empty:

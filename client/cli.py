@@ -13,6 +13,7 @@ import click
 
 from replicadp_tasks.architectures import PEAK_TFLOPS
 from replicadp_tasks.errors import InvalidRequest
+from replicadp_tasks.scheduling import Priority, check_user
 from replicadp_tasks.validate import DEFAULTS, REFERENCE_SIZE, parse_size
 
 from .api import ClientError, check_redis, use_redis
@@ -28,6 +29,14 @@ def size_param(ctx, param, value: str) -> tuple[int, int]:
     try:
         return parse_size(value, param.name)
     except InvalidRequest as exc:  # click names the option itself: drop the "size=" before the value
+        raise click.BadParameter(str(exc).removeprefix(f"{exc.field}=")) from None
+
+
+def user_param(ctx, param, value: str | None) -> str | None:
+    """A click callback: a request's user, checked as a replica checks it."""
+    try:
+        return check_user(value)
+    except InvalidRequest as exc:
         raise click.BadParameter(str(exc).removeprefix(f"{exc.field}=")) from None
 
 
@@ -124,17 +133,24 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
 @click.option("--concurrency", default=0, show_default=True, help="Requests in flight at most; 0 = queue all.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per request.")
 @click.option("--save-dir", type=click.Path(file_okay=False, path_type=Path), help="Fetch the MP4s into this folder.")
-@click.option("--longest-first", is_flag=True, help="Submit the largest requests first (shorter makespan for mixed sizes).")
+@click.option("--longest-first/--keep-order", default=True, show_default=True,
+              help="Largest requests first (height x width x frames x steps: the shortest makespan for mixed "
+                   "sizes), or in file order.")
+@click.option("--priority", type=click.Choice([p.value for p in Priority]),
+              help="For the lines that do not set one (default: normal).")
+@click.option("--user", callback=user_param,
+              help="Who the batch is for: lines that do not name one (round robin across users).")
 @redis_url_option()
-def submit(file, results, concurrency, timeout, save_dir, longest_first):
+def submit(file, results, concurrency, timeout, save_dir, longest_first, priority, user):
     """Submit a batch: JSONL (generate's arguments per line) or plain text (one prompt per line).
 
     Re-running the same file skips the requests that already completed."""
     from .submit import BatchFileError, run_batch
 
+    defaults = {k: v for k, v in (("priority", priority), ("user", user)) if v is not None}
     try:
         failed = run_batch(file, results or file.with_name(file.name + ".results.jsonl"), concurrency=concurrency,
-                           timeout=timeout, save_dir=save_dir, longest=longest_first)
+                           timeout=timeout, save_dir=save_dir, longest=longest_first, defaults=defaults)
     except BatchFileError as exc:
         raise click.ClickException(str(exc))
     sys.exit(1 if failed else 0)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.validate import DEFAULTS, validate_request
+from replicadp_tasks.validate import DEFAULTS, SCHEDULING_FIELDS, validate_request
 
 from .api import check_redis, fetch_video, run_requests
 from .progress import console, flight_text, progress_bar, wait_for_replicas
@@ -19,8 +19,10 @@ class BatchFileError(Exception):
 
 
 def request_id_for(kwargs: dict) -> str:
-    """A stable id for a line without one: re-running the file finds the same ids."""
-    canonical = json.dumps(kwargs, sort_keys=True, separators=(",", ":"))
+    """A stable id for a line without one: re-running the file finds the same ids, whatever priority or user it
+    runs under this time."""
+    canonical = json.dumps({k: v for k, v in kwargs.items() if k not in SCHEDULING_FIELDS}, sort_keys=True,
+                           separators=(",", ":"))
     return "req-" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
@@ -68,8 +70,9 @@ def looks_like_json(line: str) -> bool:
     return False
 
 
-def read_batch(path: Path) -> list[tuple[int, dict]]:
-    """(line number, generate kwargs with a request_id) per request. JSONL when the first non-blank line
+def read_batch(path: Path, defaults: dict | None = None) -> list[tuple[int, dict]]:
+    """(line number, generate kwargs with a request_id) per request, `defaults` (priority, user) filling what a
+    line does not say. JSONL when the first non-blank line
     starts with '{', else one prompt per line; a text batch with a line that looks like JSON is refused, not
     guessed at (a JSONL file whose first line lost its '{' would run its JSON as prompts). Every malformed line
     is reported before anything is sent."""
@@ -100,6 +103,7 @@ def read_batch(path: Path) -> list[tuple[int, dict]]:
             continue
         else:
             kwargs = {"prompt": line}
+        kwargs = {**(defaults or {}), **kwargs}
         try:
             # Model-independent checks here; the replica also checks what its model needs (size multiples).
             validate_request(kwargs, size_multiple=16)
@@ -125,10 +129,10 @@ def work(kwargs: dict) -> int:
         (kwargs.get("num_frames") or d["num_frames"]) * (kwargs.get("num_inference_steps") or d["num_inference_steps"])
 
 
-def longest_first(requests: list[dict]) -> list[dict]:
-    """Largest requests first (stable): with every request known up front, the short ones fill the gaps at
-    the end instead of one long request running alone."""
-    return sorted(requests, key=work, reverse=True)
+def longest_first(requests: list, key=lambda request: request) -> list:
+    """Largest requests first (stable; `key` gives an item's generate kwargs): with every request known up
+    front, the short ones fill the gaps at the end instead of one long request running alone."""
+    return sorted(requests, key=lambda item: work(key(item)), reverse=True)
 
 
 def completed_ids(results_path: Path) -> set[str]:
@@ -146,14 +150,16 @@ def completed_ids(results_path: Path) -> set[str]:
 
 
 def run_batch(file: Path, results: Path, *, concurrency: int, timeout: float, save_dir: Path | None,
-              longest: bool) -> int:
+              longest: bool = True, defaults: dict | None = None) -> int:
     """Run the requests of `file` that `results` does not record as completed, appending each outcome to
-    `results` (and its video to `save_dir`) as it ends, with a progress bar. Returns how many failed."""
-    batch = read_batch(file)
+    `results` (and its video to `save_dir`) as it ends, with a progress bar; largest first unless not `longest`
+    (file order). `defaults` (priority, user) apply to the lines that do not set them. Returns how many
+    failed."""
+    batch = read_batch(file, defaults)
     done = completed_ids(results)
     todo = [(n, kw) for n, kw in batch if kw["request_id"] not in done]
     if longest:
-        todo.sort(key=lambda item: work(item[1]), reverse=True)
+        todo = longest_first(todo, key=lambda item: item[1])
     console.print(f"{len(batch)} request(s) in {file}; {len(batch) - len(todo)} already completed; "
                   f"submitting {len(todo)}")
     if not todo:

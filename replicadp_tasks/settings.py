@@ -49,6 +49,13 @@ def _networks(name: str) -> tuple:
     return tuple(nets)
 
 
+def _choice(name: str, default: str, choices: tuple) -> str:
+    raw = os.environ.get(name) or default
+    if raw not in choices:
+        raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not one of {', '.join(choices)}")
+    return raw
+
+
 def _redis_url() -> str:
     """REDIS_URL wins; else the embedded server that `replicadp up` started; else a local Redis."""
     if os.environ.get("REDIS_URL"):
@@ -86,6 +93,7 @@ class Settings:
     fetch_allow: tuple
     image_dir: Path | None
     model_cache: Path
+    scheduling: str
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -152,6 +160,9 @@ class Settings:
             image_dir=Path(image_dir).resolve() if image_dir else None,
             # Where `tiny` models are built on first use; shared by the replicas of a host.
             model_cache=Path(os.environ.get("REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models")),
+            # Where a producer places a request (scheduling.py): "fair" (priorities, then round robin across
+            # users) or "fifo" (one list in arrival order: the baseline the scheduling benchmark compares with).
+            scheduling=_choice("REPLICADP_SCHEDULING", "fair", ("fair", "fifo")),
         )
 
 

@@ -1,9 +1,12 @@
-"""kombu's Redis transport, with every message a replica pops from a request queue checked (message.py) before
-Celery reads it. A refused message is consumed here: recorded as dead with its reason, counted, and failed
-under its task id when it has one, so that its client gets an answer; the replica's main process goes on.
+"""kombu's Redis transport, with two additions on request queues.
 
-The check sits on the BRPOP reply (redis-py's response callback of the channel's client), the one place that
-holds the raw bytes of every message the worker consumes; a refusal reads as an empty poll to kombu.
+Producers: a request is placed by its priority and user (scheduling.py), not pushed at the end of one list.
+
+Replicas: every message popped is checked (message.py) before Celery reads it. A refused message is consumed
+here: recorded as dead with its reason, counted, and failed under its task id when it has one, so that its
+client gets an answer; the replica's main process goes on. The check sits on the BRPOP reply (redis-py's
+response callback of the channel's client), the one place that holds the raw bytes of every message the worker
+consumes; a refusal reads as an empty poll to kombu.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import logging
 import time
 
 from kombu.transport import redis as kombu_redis
+from kombu.utils.json import dumps
 
-from . import message
-from .errors import MessageRefused
+from . import message, scheduling
+from .errors import InvalidRequest, MessageRefused
 from .keys import DEAD_KEY, STANDBY_PREFIX, STATS_KEY
 from .settings import SETTINGS
 
@@ -55,6 +59,31 @@ def serves(queue: str) -> bool:
 
 
 class Channel(kombu_redis.Channel):
+    def _put(self, queue, message, **kwargs):
+        """Publish: a request goes where its priority and user put it (REPLICADP_SCHEDULING=fifo: at the end of
+        one list); other messages (control replies) as kombu does. Raises InvalidRequest, in the producer, for a
+        priority or user a replica would refuse."""
+        if not serves(queue):
+            return super()._put(queue, message, **kwargs)
+        headers, props = message["headers"], message["properties"]
+        if props.get("priority"):
+            raise InvalidRequest.of("priority", "Celery's apply_async priority option is not read; give the "
+                                                "request's priority field (interactive, normal, batch)",
+                                    value=props["priority"])
+        priority = scheduling.check_priority(headers.get("replicadp_priority"))
+        user = scheduling.check_user(headers.get("replicadp_user"))
+        if SETTINGS.scheduling == scheduling.Scheduling.FIFO:
+            return super()._put(queue, message, **kwargs)
+        # Placed one at a time (kombu's publish batches only LPUSH): each place reads the list as it is now.
+        kwargs.pop("_publish_batch", None)
+        # A copy: kombu hands the same message to every queue bound to the exchange. The order header last: after
+        # it come only the properties, so its slot is the message's last occurrence. kombu restores a requeued
+        # request to the list of its properties' priority.
+        placed = {**message, "headers": {**headers, scheduling.ORDER_HEADER: scheduling.ORDER_PLACEHOLDER},
+                  "properties": {**props, "priority": priority.level}}
+        with self.conn_or_acquire() as client:
+            scheduling.place(client, self._q_for_pri(queue, priority.level), dumps(placed), user)
+
     def _create_client(self, asynchronous=False):
         client = super()._create_client(asynchronous)
         if asynchronous:  # the client that BRPOPs

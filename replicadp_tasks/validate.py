@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from .errors import InvalidRequest
+from .scheduling import check_priority, check_user
 
 # generate's defaults are the reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
 # The bench, the CLI and the FLOP counts take it from here.
@@ -29,7 +30,9 @@ DEFAULTS = {
     "image": None,
     "request_id": None,
 }
-FIELDS = ("prompt", *DEFAULTS)
+# Where the request waits, not what it makes (scheduling.py): checked here, never part of its identity.
+SCHEDULING_FIELDS = ("priority", "user")
+FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS)
 REFERENCE_SIZE = f"{DEFAULTS['width']}x{DEFAULTS['height']}"
 REFERENCE_WORK = DEFAULTS["height"] * DEFAULTS["width"] * DEFAULTS["num_frames"] * DEFAULTS["num_inference_steps"]
 
@@ -138,7 +141,9 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
         _fail(unknown[0], kwargs[unknown[0]], f"unknown argument; accepted: {', '.join(FIELDS)}")
     if "prompt" not in kwargs or kwargs["prompt"] is None:
         _fail("prompt", None, "is required")
-    v = {**DEFAULTS, **{k: x for k, x in kwargs.items() if x is not None}}
+    check_priority(kwargs.get("priority"))
+    check_user(kwargs.get("user"))
+    v = {**DEFAULTS, **{k: x for k, x in kwargs.items() if x is not None and k not in SCHEDULING_FIELDS}}
 
     for side in ("height", "width"):
         _int(side, v[side], size_multiple, MAX_SIDE)

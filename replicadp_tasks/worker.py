@@ -24,7 +24,7 @@ from billiard.exceptions import WorkerLostError
 from celery import bootsteps, signals
 from celery.worker import state as worker_state
 from celery.worker.request import Request
-from kombu import Queue
+from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from kombu.transport import virtual
 
@@ -60,7 +60,10 @@ def _start_on_standby(sender, instance, conf, **_):
     """In the main process, before it consumes: listen only on this replica's standby queue."""
     MAIN.name = sender
     MAIN.stopping = multiprocessing.RawValue("b", 0)  # shared memory: pool children see it set
-    conf.task_queues = [Queue(STANDBY_PREFIX + sender)]
+    # An exchange of its own: by default Celery binds a queue to the default exchange, `video`, with the routing
+    # key `video`, and a request published through that exchange would be copied into every standby queue.
+    standby = STANDBY_PREFIX + sender
+    conf.task_queues = [Queue(standby, Exchange(standby), routing_key=standby)]
 
 
 @signals.worker_shutting_down.connect

@@ -10,6 +10,8 @@ from celery import states
 
 from replicadp_tasks.keys import REPLICA_KEY
 from replicadp_tasks.records import RequestState
+from replicadp_tasks.scheduling import next_request
+from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.validate import MAX_STEPS, REFERENCE_WORK
 
 
@@ -24,6 +26,11 @@ def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2)
         if time.monotonic() >= deadline:
             raise TimeoutError(f"waited {timeout:g} s for {what}; last seen: {value!r:.300}")
         time.sleep(interval)
+
+
+def queue_depth(client: redis.Redis) -> int:
+    """Requests waiting in the shared queue, every priority."""
+    return sum(next_request(client, SETTINGS.queue)[0].values())
 
 
 def parent_of(pid: int) -> int:

@@ -10,7 +10,7 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import redis
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, wait_for
+from helpers import SYNTHETIC, lasting, queue_depth, wait_for
 from test_http import SMALL, form_of, gateway, multipart
 
 from replicadp_tasks.settings import SETTINGS
@@ -30,7 +30,7 @@ def queue_sampled(url: str):
 
     def poll():
         while not done.is_set():
-            peak["max"] = max(peak["max"], client.llen(SETTINGS.queue))
+            peak["max"] = max(peak["max"], queue_depth(client))
             peak["samples"] += 1
 
     poller = threading.Thread(target=poll)
@@ -40,7 +40,7 @@ def queue_sampled(url: str):
     finally:
         done.set()
         poller.join()
-        peak["max"] = max(peak["max"], client.llen(SETTINGS.queue))
+        peak["max"] = max(peak["max"], queue_depth(client))
 
 
 def burst(targets: list[tuple[str, str]], form: dict, timeout: float = 300) -> list[httpx.Response]:
@@ -75,11 +75,11 @@ def test_a_burst_of_async_requests_never_queues_past_the_limit(redis_db):
             counts = check_answers(burst([(gw.url, "/v1/videos")] * BURST, SMALL), 200)
         assert 1 <= counts[200] <= LIMIT and peak["max"] <= LIMIT and peak["samples"] > 10, (counts, peak)
         client = redis.Redis.from_url(url)
-        assert client.llen(SETTINGS.queue) == counts[200]
+        assert queue_depth(client) == counts[200]
         for _ in range(LIMIT - counts[200]):
             assert gw.client.post("/v1/videos", files=multipart(SMALL)).status_code == 200
         assert gw.client.post("/v1/videos", files=multipart(SMALL)).status_code == 429
-        assert client.llen(SETTINGS.queue) == LIMIT
+        assert queue_depth(client) == LIMIT
 
 
 def test_a_burst_of_sync_requests_gets_videos_or_429(redis_db):
@@ -118,7 +118,7 @@ def test_two_gateways_under_one_burst_share_the_limit(redis_db):
         assert 1 <= queued[200] + timed_out[504] <= LIMIT and peak["max"] <= LIMIT, (queued, timed_out, peak)
         assert all(a.json()["error"]["code"] == "timeout" for a in by_route["/v1/videos/sync"]
                    if a.status_code == 504)
-        assert redis.Redis.from_url(url).llen(SETTINGS.queue) == queued[200] + timed_out[504]
+        assert queue_depth(redis.Redis.from_url(url)) == queued[200] + timed_out[504]
 
 
 def test_200_sync_requests_waiting_at_once_hold_no_connection_each(redis_db):
@@ -131,7 +131,7 @@ def test_200_sync_requests_waiting_at_once_hold_no_connection_each(redis_db):
         assert Counter(a.status_code for a in answers) == {504: BURST}, [a.text for a in answers
                                                                          if a.status_code != 504][:3]
         client = redis.Redis.from_url(url)
-        assert client.llen(SETTINGS.queue) == BURST
+        assert queue_depth(client) == BURST
         wait_for(lambda: len(client.keys(CANCEL_KEY + "*")) == BURST, f"all {BURST} requests to be cancelled",
                  timeout=30)
 
@@ -152,4 +152,4 @@ def test_admitted_requests_not_yet_queued_count_and_expire(redis_db):
         assert refused.status_code == 429 and f"{LIMIT} requests are waiting" in refused.json()["error"]["message"]
         client.zadd(ADMITTING_KEY + SETTINGS.queue, {f"ghost-{i}": now - ADMIT_STALE_S - 1 for i in range(LIMIT)})
         assert gw.client.post("/v1/videos", files=multipart(SMALL)).status_code == 200
-        assert client.zcard(ADMITTING_KEY + SETTINGS.queue) == 0 and client.llen(SETTINGS.queue) == 1
+        assert client.zcard(ADMITTING_KEY + SETTINGS.queue) == 0 and queue_depth(client) == 1

@@ -52,7 +52,10 @@ class Exploit:
 
 def test_pickled_message_is_refused_unread_and_replicas_keep_serving(replicas, tmp_path):
     """A pickle put straight on the queue, dressed as a generate task, is refused without being
-    deserialised (the code inside never runs), and both replicas go on serving."""
+    deserialised (the code inside never runs), and both replicas go on serving. Published through the queue's
+    exchange, it reaches the queue alone: no replica's standby queue is bound to that exchange."""
+    bound = app.backend.client.smembers(f"_kombu.binding.{SETTINGS.queue}")
+    assert {member.decode().rsplit("\x06\x16", 1)[-1] for member in bound} == {SETTINGS.queue}
     marker = tmp_path / "unpickled"
     with app.producer_or_acquire() as producer:
         producer.publish(Exploit(marker), serializer="pickle", exchange=SETTINGS.queue, routing_key=SETTINGS.queue,
@@ -156,6 +159,8 @@ VALID = {
     "max_sequence_length": st.integers(1, 512),
     "image": st.just(base64.b64encode(png_bytes()).decode()),
     "request_id": st.uuids().map(str),
+    "priority": st.sampled_from(["interactive", "normal", "batch"]),
+    "user": PRINTABLE,
 }
 MISTAKES = {
     "prompt": st.sampled_from(["", "   ", "a\x00b", "\x1b[2J", "x" * 5000]),
@@ -171,6 +176,8 @@ MISTAKES = {
     "image": st.sampled_from(["/etc/passwd", "file:///etc/passwd", "http://127.0.0.1:1/x.png", "", "Zm9v",
                               "data:image/png;base64,!!"]),
     "request_id": st.sampled_from(["../../etc/passwd", "a" * 200, "x\x00y", "bad id", "/abs", ""]),
+    "priority": st.sampled_from(["urgent", "HIGH", "", 0, 9]),
+    "user": st.sampled_from(["", "a\x00b", "\x1b[2J", "u" * 300, 7]),
 }
 SIZE_FIELDS = ("prompt", "height", "width", "num_frames", "num_inference_steps")
 DROP = object()  # a mutation that removes the field

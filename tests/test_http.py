@@ -26,6 +26,8 @@ from PIL import Image
 from client.local.embedded import _free_port, die_with_parent, stop_pid
 from replicadp_tasks.keys import CANCEL_KEY
 from replicadp_tasks.records import RequestState
+from replicadp_tasks.scheduling import queue_lists
+from replicadp_tasks.settings import SETTINGS
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 SMALL = {"prompt": "a fox in snow", "size": "64x64", "num_frames": "9", "num_inference_steps": "2", "seed": "5"}
@@ -212,6 +214,8 @@ def test_async_job_life_cycle(live, replicas):
     ({"size": "48x64"}, 400, "width"),  # refused by the task: the tiny model needs multiples of 32
     ({"size": "128x128", "num_frames": "33", "num_inference_steps": "30"}, 400,
      "height x width x num_frames x num_inference_steps"),  # over the replicas' budget
+    ({"priority": "urgent"}, 400, "priority"),
+    ({"user": "u" * 300}, 400, "user"),
     ({"num_frames": "nine"}, 422, "num_frames"),
     ({"prompt": None}, 422, "prompt"),
 ])
@@ -343,6 +347,19 @@ def test_past_the_queue_depth_requests_get_429(redis_db):
             r = post(gw, route, SMALL)
             assert r.status_code == 429, r.text
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_priority_and_user_place_the_job(redis_db):
+    """The form's priority and user reach the queue: with nothing taking requests, a batch job and an interactive
+    job wait in their priorities' lists, each carrying its user; a job without them waits at normal."""
+    url = redis_db()
+    with gateway(url, "placed") as gw:
+        for fields in ({"priority": "batch", "user": "farm"}, {"priority": "interactive", "user": "alice"}, {}):
+            assert post(gw, "/v1/videos", {**SMALL, **fields}).status_code == 200
+    client = redis.Redis.from_url(url)
+    users = [[json.loads(raw)["headers"].get("replicadp_user") for raw in client.lrange(key, 0, -1)]
+             for key in queue_lists(SETTINGS.queue)]
+    assert users == [["alice"], [None], ["farm"]]
 
 
 def test_gateways_share_jobs_and_a_queued_job_is_cancelled(redis_db):

@@ -329,17 +329,19 @@ def test_metrics_show_a_replica_busy_while_it_runs(lone_replica):
 
 
 def test_metrics_show_the_queue_depth_and_how_long_it_waited(redis_db):
-    """With no replica on its DB, two sent requests wait: depth 2, and the age of the oldest is the time since
-    it was sent."""
+    """With no replica on its DB, two sent requests wait: depth 2, one at each priority they were sent with, and
+    the age of the next (the interactive one) is the time since it was sent."""
     url = redis_db()
     proc, port = start_exporter(url)
     try:
         first = time.time()
-        for seed in range(2):
-            _app_for(url).send_task("replicadp.generate", kwargs={**TINY, "seed": seed})
+        for seed, priority in enumerate(("batch", "interactive")):
+            _app_for(url).send_task("replicadp.generate", kwargs={**TINY, "seed": seed, "priority": priority})
         time.sleep(1.0)  # the wait to be measured
         m = scrape(port)
         assert m[("replicadp_queue_depth", ())] == 2
+        assert {dict(labels)["priority"]: v for (n, labels), v in m.items()
+                if n == "replicadp_queue_depth_by_priority"} == {"interactive": 1, "normal": 0, "batch": 1}
         # Waited at least the pause since the last was sent, at most the time since the first (one clock here).
         assert 1.0 <= m[("replicadp_queue_oldest_age_seconds", ())] <= time.time() - first
     finally:

@@ -1,8 +1,8 @@
 """Admission: the queue-depth limit (`--max-queue`), shared by every gateway of one Redis.
 
-A request is admitted while the shared queue (LLEN) plus the requests admitted and not yet pushed onto it (a
-sorted set of reservations, any gateway's) is under the limit; its reservation counts it until its send has
-pushed it. One Lua script checks and reserves, atomically across gateways: nothing waits for a lock, and the
+A request is admitted while the shared queue (LLEN of every priority's list) plus the requests admitted and not
+yet pushed onto it (a sorted set of reservations, any gateway's) is under the limit; its reservation counts it
+until its send has pushed it. One Lua script checks and reserves, atomically across gateways: nothing waits for a lock, and the
 one cost is counting a request twice between its push and its release (at worst a 429 a moment early, never
 a queue over the limit). docs/http.md, "Backpressure".
 """
@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from replicadp_tasks import app as celery_app
 from replicadp_tasks.keys import ADMITTING_KEY, COMPLETED_KEY
+from replicadp_tasks.scheduling import queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 from .errors import ErrorCode, GatewayError
@@ -28,17 +29,21 @@ ADMIT_STALE_S = 60
 THROUGHPUT_WINDOW_S = 300  # completions over this window estimate Retry-After
 RETRY_AFTER_UNKNOWN_S = 10  # Retry-After when nothing completed lately (no rate to estimate from)
 
-# KEYS: the queue, the reservations; ARGV: the limit, the task id, ADMIT_STALE_S. Returns {admitted, depth}.
+# KEYS: the reservations, then the queue's lists; ARGV: the limit, the task id, ADMIT_STALE_S.
+# Returns {admitted, depth}.
 RESERVE = """
 local now = redis.call('TIME')
 now = tonumber(now[1]) + tonumber(now[2]) / 1e6
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[3]))
-local depth = redis.call('LLEN', KEYS[1]) + redis.call('ZCARD', KEYS[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]))
+local depth = redis.call('ZCARD', KEYS[1])
+for i = 2, #KEYS do
+  depth = depth + redis.call('LLEN', KEYS[i])
+end
 if depth >= tonumber(ARGV[1]) then
   return {0, depth}
 end
-redis.call('ZADD', KEYS[2], now, ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[1], now, ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
 return {1, depth}
 """
 
@@ -53,7 +58,7 @@ class Admission:
 
     async def reserve(self, task_id: str) -> None:
         """Count `task_id` against the limit until `release`; past the limit, raise the 429 with Retry-After."""
-        admitted, depth = await self._reserve(keys=[SETTINGS.queue, self.reservations],
+        admitted, depth = await self._reserve(keys=[self.reservations, *queue_lists(SETTINGS.queue)],
                                               args=[self.limit, task_id, ADMIT_STALE_S])
         if not admitted:
             wait = await self.retry_after(depth)

@@ -32,6 +32,8 @@ class VideoForm:
     negative_prompt: str | None
     model: str | None
     image: str | None  # input_reference, base64
+    user: str | None
+    priority: str | None
 
 
 async def video_form(
@@ -49,6 +51,10 @@ async def video_form(
     negative_prompt: Annotated[str | None, Form()] = None,
     model: Annotated[str | None, Form(description="Must be the served model, if given.")] = None,
     input_reference: Annotated[UploadFile | None, File(description="First frame (TI2V): an image file.")] = None,
+    user: Annotated[str | None, Form(description="Who the video is for: waiting requests are served round "
+                                                 "robin across users.")] = None,
+    priority: Annotated[str | None, Form(description="interactive, normal (default) or batch: a replica takes "
+                                                     "the highest priority waiting.")] = None,
 ) -> VideoForm:
     """The form as a FastAPI dependency (its parameters are the OpenAPI form schema)."""
     # A field this gateway does not know (vllm-omni's flow_shift, boundary_ratio, lora...) would be silently
@@ -75,7 +81,7 @@ async def video_form(
         image = base64.b64encode(data).decode()
     return VideoForm(prompt=prompt, size=size, width=width, height=height, num_frames=num_frames, seconds=seconds,
                      fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
-                     negative_prompt=negative_prompt, model=model, image=image)
+                     negative_prompt=negative_prompt, model=model, image=image, user=user, priority=priority)
 
 
 FORM_FIELDS = [name for name in inspect.signature(video_form).parameters if name != "request"]
@@ -105,5 +111,6 @@ def generate_kwargs(form: VideoForm) -> dict:
                                                "or pass num_frames", value=form.seconds)
     kwargs = {"prompt": form.prompt, "negative_prompt": form.negative_prompt, "seed": form.seed, "height": height,
               "width": width, "num_frames": num_frames, "num_inference_steps": form.num_inference_steps,
-              "guidance_scale": form.guidance_scale, "fps": form.fps, "image": form.image}
+              "guidance_scale": form.guidance_scale, "fps": form.fps, "image": form.image, "user": form.user,
+              "priority": form.priority}
     return {k: v for k, v in kwargs.items() if v is not None}

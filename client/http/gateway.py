@@ -21,6 +21,7 @@ from replicadp_tasks import generate
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, REPLICA_KEY
 from replicadp_tasks.records import READY
+from replicadp_tasks.scheduling import queue_lists
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.validate import validate_request
 
@@ -100,7 +101,11 @@ class Gateway:
         return sorted({r["model"] for r in await self.replicas() if r.get("model")}) or [SETTINGS.model]
 
     async def queue_depth(self) -> int:
-        return await self.redis.llen(SETTINGS.queue)
+        """Requests waiting, every priority."""
+        pipe = self.redis.pipeline()
+        for key in queue_lists(SETTINGS.queue):
+            pipe.llen(key)
+        return sum(await pipe.execute())
 
     # --- requests ------------------------------------------------------------------------------------------
 

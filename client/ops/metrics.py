@@ -71,7 +71,7 @@ class Exporter:
         """Called on each scrape."""
         up = GaugeMetricFamily("replicadp_redis_up", "1 if Redis answered this scrape")
         try:
-            depth, head = queue_head(self.redis)
+            depths, head = queue_head(self.redis)
             stats, dead = self.redis.hgetall(STATS_KEY), self.redis.llen(DEAD_KEY)
         except redis.exceptions.RedisError as exc:
             log.warning("scrape: Redis: %s", exc)
@@ -81,7 +81,13 @@ class Exporter:
             up.add_metric([], 1)
             yield up
             yield GaugeMetricFamily("replicadp_queue_depth", f"Requests waiting in queue {SETTINGS.queue!r}",
-                                    value=depth)
+                                    value=sum(depths.values()))
+            by_priority = GaugeMetricFamily("replicadp_queue_depth_by_priority",
+                                            f"Requests waiting in queue {SETTINGS.queue!r} at each priority",
+                                            labels=["priority"])
+            for priority, n in depths.items():
+                by_priority.add_metric([str(priority)], n)
+            yield by_priority
             waited = waited_s(head, time.time())
             yield GaugeMetricFamily("replicadp_queue_oldest_age_seconds",
                                     "How long the next queued request has waited (0: queue empty)",

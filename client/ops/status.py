@@ -12,8 +12,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from replicadp_tasks import app
-from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.keys import COMPLETED_KEY, REPLICA_KEY
+from replicadp_tasks.scheduling import Priority, next_request
+from replicadp_tasks.settings import SETTINGS
 
 from ..api import redis_url
 
@@ -26,22 +27,18 @@ def replica_info(client, names) -> dict:
     return {n: json.loads(r) if r else {} for n, r in zip(names, raws)}
 
 
-def queue_head(client, queue: str = SETTINGS.queue) -> tuple[int, dict | None]:
-    """The queue's depth and the headers of the request a replica takes next (None when empty, {} when it is not
-    a request). kombu LPUSHes a new request and BRPOPs from the other end, where a requeued one is put back
-    (lease.py): the next request is at index -1, and it has waited longest (a requeued request keeps its first
-    sending time)."""
-    pipe = client.pipeline()
-    pipe.llen(queue)
-    pipe.lindex(queue, -1)
-    depth, raw = pipe.execute()
+def queue_head(client, queue: str = SETTINGS.queue) -> tuple[dict[Priority, int], dict | None]:
+    """How many requests wait at each priority, and the headers of the request a replica takes next (None when
+    the queue is empty, {} when it is not a request): the head of the highest priority's list that is not empty
+    (scheduling.py)."""
+    depths, raw = next_request(client, queue)
     if raw is None:
-        return depth, None
+        return depths, None
     try:  # anything can be pushed onto the queue; a replica refuses what is not a request, a reader shows none
         headers = json.loads(raw).get("headers")
     except (ValueError, AttributeError):
         headers = None
-    return depth, headers if isinstance(headers, dict) else {}
+    return depths, headers if isinstance(headers, dict) else {}
 
 
 def waited_s(headers: dict | None, now: float) -> float | None:
@@ -73,12 +70,13 @@ def snapshot() -> dict:
             "running_s": time.time() - running["time_start"] if running and running.get("time_start") else None,
         })
     now = time.time()
-    depth, head = queue_head(client)
+    depths, head = queue_head(client)
     pipe = client.pipeline()
     for minutes in THROUGHPUT_WINDOWS_MIN:
         pipe.zcount(COMPLETED_KEY, now - 60 * minutes, now)
     done = pipe.execute()
-    return {"replicas": replicas, "queue": SETTINGS.queue, "queue_depth": depth, "oldest_wait_s": waited_s(head, now),
+    return {"replicas": replicas, "queue": SETTINGS.queue, "queue_depth": sum(depths.values()),
+            "queue_by_priority": {str(p): n for p, n in depths.items()}, "oldest_wait_s": waited_s(head, now),
             **{f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, done)}}
 
 
@@ -87,7 +85,9 @@ def table(snap: dict) -> Table:
     wait = snap["oldest_wait_s"]
     waited = f", the next waited {wait:.0f} s" if snap["queue_depth"] and wait is not None else ""
     rates = ", ".join(f"{snap[f'videos_per_min_{m}m']:.1f} ({m} min)" for m in THROUGHPUT_WINDOWS_MIN)
-    t = Table(title=f"queue {snap['queue']!r}: {snap['queue_depth']} waiting{waited}; videos/min {rates}")
+    split = ", ".join(f"{p} {n}" for p, n in snap["queue_by_priority"].items() if n)
+    split = f" ({split})" if snap["queue_depth"] else ""
+    t = Table(title=f"queue {snap['queue']!r}: {snap['queue_depth']} waiting{split}{waited}; videos/min {rates}")
     for col in ("replica", "device", "model", "serving", "request", "denoising", "step", "running"):
         t.add_column(col)
     for r in snap["replicas"]:
