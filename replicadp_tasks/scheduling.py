@@ -34,7 +34,7 @@ LEVELS = [0, 3, 6]
 class Priority(StrEnum):
     """What a request waits behind: every waiting request of a higher priority. Ordered highest first."""
 
-    INTERACTIVE = "interactive"  # a person is waiting for it (the web page, a sync request)
+    INTERACTIVE = "interactive"  # a person is waiting for it
     NORMAL = "normal"  # the default
     BATCH = "batch"  # bulk work that may wait for everything else
 

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .scheduling import Scheduling
+
 # Where `replicadp up` records the embedded server's URL, so that a plain `generate.delay()` finds it.
 STATE_DIR = Path(os.environ.get("REPLICADP_STATE_DIR", Path.home() / ".replicadp"))
 STATE_FILE = STATE_DIR / "state.json"
@@ -49,11 +51,13 @@ def _networks(name: str) -> tuple:
     return tuple(nets)
 
 
-def _choice(name: str, default: str, choices: tuple) -> str:
+def _scheduling(name: str, default: Scheduling) -> Scheduling:
     raw = os.environ.get(name) or default
-    if raw not in choices:
-        raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not one of {', '.join(choices)}")
-    return raw
+    try:
+        return Scheduling(raw)
+    except ValueError:
+        raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not one of "
+                         f"{', '.join(Scheduling)}") from None
 
 
 def _redis_url() -> str:
@@ -93,7 +97,7 @@ class Settings:
     fetch_allow: tuple
     image_dir: Path | None
     model_cache: Path
-    scheduling: str
+    scheduling: Scheduling
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -162,7 +166,7 @@ class Settings:
             model_cache=Path(os.environ.get("REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models")),
             # Where a producer places a request (scheduling.py): "fair" (priorities, then round robin across
             # users) or "fifo" (one list in arrival order: the baseline the scheduling benchmark compares with).
-            scheduling=_choice("REPLICADP_SCHEDULING", "fair", ("fair", "fifo")),
+            scheduling=_scheduling("REPLICADP_SCHEDULING", Scheduling.FAIR),
         )
 
 
