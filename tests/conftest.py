@@ -22,9 +22,10 @@ os.environ["REPLICADP_MODEL_CACHE"] = str(SESSION_DIR / "models")
 os.environ["OUTPUT_DIR"] = str(SESSION_DIR / "outputs")
 os.environ.pop("REDIS_URL", None)
 # The temp files of every process the tests start, too: Celery's prefork pool keeps a pymp-* folder per replica,
-# which a replica SIGKILLed by a fault test cannot remove. (This process's own tempdir, read above, stays.)
+# which a replica SIGKILLed by a fault test cannot remove. This process's as well (tempfile read TMPDIR above,
+# once): torch.compile keeps its cache and precompiled headers under it (test_architectures compiles blocks).
 (SESSION_DIR / "tmp").mkdir()
-os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
+os.environ["TMPDIR"] = tempfile.tempdir = str(SESSION_DIR / "tmp")
 
 import pytest  # noqa: E402
 import redis  # noqa: E402
