@@ -104,16 +104,15 @@ local function tag_of(raw)
   return -1
 end
 local n = redis.call('LLEN', KEYS[1])
-local v
+local hwm = tonumber(redis.call('HGET', KEYS[2], '~hwm') or '0')
+local v = hwm
 if n > 0 then
   v = tag_of(redis.call('LINDEX', KEYS[1], -1))
-else
-  v = tonumber(redis.call('HGET', KEYS[2], '~hwm') or '0')
 end
 local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '-1')
 local tag = math.max(v, last + 1)
 redis.call('HSET', KEYS[2], ARGV[1], tag)
-if tag > tonumber(redis.call('HGET', KEYS[2], '~hwm') or '0') then
+if tag > hwm then
   redis.call('HSET', KEYS[2], '~hwm', tag)
 end
 if redis.call('HLEN', KEYS[2]) > tonumber(ARGV[4]) then
