@@ -67,3 +67,6 @@ broker_connection_retry_on_startup = True
 # A request running when the broker connection drops keeps running; its result is keyed by request_id,
 # so a redelivery returns the stored result instead of computing a second one.
 worker_cancel_long_running_tasks_on_connection_loss = False
+# Celery's task logger names the request as well as the task (logs.Context gives every line its request_id).
+worker_task_log_format = ("[%(asctime)s: %(levelname)s/%(processName)s] %(task_name)s[%(task_id)s] "
+                          "request %(request_id)s: %(message)s")

@@ -19,7 +19,19 @@ NUM_REPLICAS=${NUM_REPLICAS:-1}
 GPUS_PER_REPLICA=${GPUS_PER_REPLICA:-1}
 CELERY=${CELERY:-celery}
 
-die() { echo "worker_launch.sh: $*" >&2; exit 2; }
+# The launcher's own lines, on stderr: text, or with REPLICADP_LOG_FORMAT=json one JSON object each, as the
+# replicas write theirs (replicadp_tasks/logs.py). say LEVEL MESSAGE
+say() {
+  if [[ ${REPLICADP_LOG_FORMAT:-text} == json ]]; then
+    local message=${2//\\/\\\\}
+    message=${message//\"/\\\"}
+    printf '{"time": "%s", "level": "%s", "logger": "worker_launch.sh", "message": "%s", "role": "launcher", "pid": %d}\n' \
+      "$(date -u +%Y-%m-%dT%H:%M:%S.%3N+00:00)" "$1" "$message" "$BASHPID" >&2
+  else
+    echo "worker_launch.sh: $2" >&2
+  fi
+}
+die() { say ERROR "$*"; exit 2; }
 
 [[ $NUM_REPLICAS =~ ^[1-9][0-9]*$ ]] || die "NUM_REPLICAS=$NUM_REPLICAS: must be a positive integer"
 [[ $GPUS_PER_REPLICA =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_REPLICA=$GPUS_PER_REPLICA: must be a positive integer"
@@ -68,8 +80,8 @@ supervise() {
     else
       crashes=1 backoff=1
     fi
-    (( crashes > 1 )) && echo "worker_launch.sh: $name is crash-looping ($crashes exits within a minute of start)" >&2
-    echo "worker_launch.sh: $name exited with status $rc after $(( SECONDS - started )) s; restarting in $backoff s" >&2
+    (( crashes > 1 )) && say WARNING "$name is crash-looping ($crashes exits within a minute of start)"
+    say WARNING "$name exited with status $rc after $(( SECONDS - started )) s; restarting in $backoff s"
     sleep "$backoff" & wait $! || true
     backoff=$(( backoff < 32 ? backoff * 2 : 60 ))
   done
@@ -78,7 +90,7 @@ supervise() {
 pids=()
 stop() {
   trap - INT TERM
-  echo "worker_launch.sh: stopping ${#pids[@]} replica(s)" >&2
+  say INFO "stopping ${#pids[@]} replica(s)"
   kill -TERM "${pids[@]}" 2>/dev/null || true
   wait "${pids[@]}" 2>/dev/null || true
   exit 0
@@ -96,7 +108,7 @@ for (( i = 0; i < NUM_REPLICAS; i++ )); do
   fi
   pids+=($!)
 done
-echo "worker_launch.sh: started ${#pids[@]} supervised replica(s) on DEVICES=$DEVICES" >&2
+say INFO "started ${#pids[@]} supervised replica(s) on DEVICES=$DEVICES"
 
 # The launcher ends when every supervisor has (on Ctrl-C or SIGTERM).
 wait "${pids[@]}"

@@ -24,6 +24,7 @@ from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.keys import CANCEL_KEY
 from replicadp_tasks.records import RequestState, Result
 from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.store import delete_stored, with_video_url
 from replicadp_tasks.store import fetch_video as _fetch
 from replicadp_tasks.transport import transport_for
 
@@ -118,7 +119,18 @@ def live_replicas(timeout: float = 1.0, url: str | None = None) -> list[str]:
 
 def fetch_video(result: dict) -> bytes:
     """The MP4 bytes of a successful result, from whichever store the replica used."""
-    return _fetch(result["video_uri"], redis_url(), result.get("video_sha256"))
+    return _fetch(result["video_uri"], redis_url(), result.get("video_sha256"), SETTINGS.s3_endpoint_url)
+
+
+def with_fresh_url(result: Result) -> Result:
+    """A result as it is handed out: with S3, a presigned URL of its video made now (`video_url`, working until
+    `video_url_expires_at`), not the replica's, which may have expired since."""
+    return with_video_url(result, SETTINGS.s3_endpoint_url, SETTINGS.s3_url_ttl_s)
+
+
+def remove_video(result: Result) -> None:
+    """Remove a successful result's video and metadata from the output store that holds them."""
+    delete_stored(result, redis_url(), SETTINGS.s3_endpoint_url)
 
 
 def error_message(info) -> str:
@@ -138,7 +150,7 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
                  on_update: Callable[[list[InFlight], Outcome | None], None] | None = None) -> Iterator[Outcome]:
     """Submit `requests` keeping at most `concurrency` in flight (0: all at once), and yield each Outcome as
     its request completes. A request that fails or passes `timeout` seconds yields ok=False; the others go on.
-    `on_update(in_flight, finished)` is called whenever a request in flight changes state or step.
+    `on_update(in_flight, finished)` is called whenever a request is sent, or one in flight changes state or step.
     Results arrive through the result waiter (results.py), not by polling."""
     check_redis()
     pending = list(enumerate(requests))
@@ -155,7 +167,7 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
         status = meta["status"] if meta else entry.state
         info = meta.get("result") if meta else None
         if status == RequestState.SUCCESS:
-            out.ok, out.result = True, info
+            out.ok, out.result = True, with_fresh_url(info)
         elif status == RequestState.FAILURE:
             out.error = error_message(info)
         elif now - out.submitted_at > timeout:
@@ -189,6 +201,9 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
                     generate.apply_async(kwargs=request, task_id=task_id)
                 except InvalidRequest as exc:  # refused before it was sent (its priority or user)
                     yield settle(task_id, {"status": RequestState.FAILURE, "result": exc}, time.time())
+                else:
+                    if on_update:  # sent: the caller learns its task id while it is queued
+                        on_update(list(flying.values()), None)
             try:
                 task_id, meta = states.get(timeout=SWEEP_S)
             except queue.Empty:

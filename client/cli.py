@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from enum import IntEnum
 from pathlib import Path
 
 import click
@@ -51,17 +52,49 @@ def redis_url_option(help="Redis to use (default: `replicadp up`'s server, else 
                         metavar="URL", help=help)
 
 
+class Exit(IntEnum):
+    """The exit statuses of every command (docs/operations.md, "Exit statuses")."""
+
+    OK = 0
+    FAILED = 1  # a request failed, was cancelled or timed out; a check failed; the command's own error
+    USAGE = 2  # click's: a bad option or argument, named
+    UNAVAILABLE = 3  # a ClientError: Redis unreachable, no live replica, not the model asked for; nothing was run
+    NOT_FOUND = 4  # get, cancel: no such request
+
+
+class Unavailable(click.ClickException):
+    """Raised when a ClientError ends a command: its message, and Exit.UNAVAILABLE."""
+
+    exit_code = Exit.UNAVAILABLE
+
+
 class Group(click.Group):
-    """A ClientError (Redis unreachable, no live replica) ends any command with its message and exit status 1."""
+    """A ClientError (Redis unreachable, no live replica) ends any command with its message and Exit.UNAVAILABLE."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except ClientError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise Unavailable(str(exc)) from None
+
+
+def json_to(ctx, param, path: Path | None) -> Path | None:
+    """A click callback for --json FILE: `-` is stdout, which then carries the JSON alone (tables go to stderr)."""
+    if path == Path("-"):
+        console.file = sys.stderr
+    return path
+
+
+def write_json(path: Path, data: dict) -> None:
+    if path == Path("-"):
+        click.echo(json.dumps(data, indent=1))
+    else:
+        path.write_text(json.dumps(data, indent=1))
+        console.print(f"written to {path}")
 
 
 @click.group(cls=Group)
+@click.version_option(package_name="replicadp", prog_name="replicadp")
 def main():
     """replicadp: replica data parallelism for video diffusion models on Celery + Redis."""
     # SIGTERM unwinds like Ctrl-C, so the demo, sweep and bench stop what they started.
@@ -93,7 +126,8 @@ def main():
                    "cannot be made deterministic; off: bit-exact only).")
 @click.option("--peak-tflops", default=PEAK_TFLOPS, show_default=True,
               help=f"The chip's bf16 TFLOP/s, for the DiT's model FLOP utilisation ({PEAKS}).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the report as JSON.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), callback=json_to,
+              help="Write the report as JSON to this file, or to stdout with - (the tables then go to stderr).")
 @redis_url_option()
 def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_prompt, size, num_frames, steps,
           model, timeout, save_dir, label, baseline_tpm, write_baseline, check_baseline, tolerance_psnr, peak_tflops,
@@ -120,8 +154,7 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
                     check_baseline=check_baseline, tolerance_psnr=tolerance_psnr)
     print_report(rep)
     if json_out:
-        json_out.write_text(json.dumps(rep, indent=1))
-        console.print(f"report written to {json_out}")
+        write_json(json_out, rep)
     isolation = rep.get("isolation")
     sys.exit(0 if rep["failed"] == 0 and (isolation is None or isolation.get("passed", True)) else 1)
 
@@ -156,6 +189,119 @@ def submit(file, results, concurrency, timeout, save_dir, longest_first, priorit
     sys.exit(1 if failed else 0)
 
 
+# generate's option for each request field, so that a value the request check refuses is a usage error naming it.
+OPTION_OF = {"prompt": "PROMPT", "negative_prompt": "--negative-prompt", "seed": "--seed", "height": "--size",
+             "width": "--size", "num_frames": "--num-frames", "num_inference_steps": "--steps",
+             "guidance_scale": "--guidance", "fps": "--fps", "image": "--image", "priority": "--priority",
+             "user": "--user"}
+
+
+def image_param(ctx, param, value: str | None) -> str | None:
+    """A click callback for --image: an http(s) URL goes as it is (the replica fetches it under its policy), a local
+    file as a data URI, so that it reaches a replica on any host."""
+    import base64
+    import mimetypes
+
+    from replicadp_tasks.settings import SETTINGS
+
+    if value is None or value.startswith(("http://", "https://")):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise click.BadParameter(f"{value!r}: no such file (give a file or an http(s) URL)")
+    if path.stat().st_size > SETTINGS.max_image_bytes:
+        raise click.BadParameter(f"{value!r}: {path.stat().st_size} bytes, over REPLICADP_MAX_IMAGE_BYTES="
+                                 f"{SETTINGS.max_image_bytes}")
+    mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the MP4 here (default: it stays in the output store; the summary says where).")
+@click.option("--size", default=REFERENCE_SIZE, show_default=True, callback=size_param, help="WIDTHxHEIGHT.")
+@click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
+@click.option("--steps", default=DEFAULTS["num_inference_steps"], show_default=True, help="Denoising steps.")
+@click.option("--seed", default=DEFAULTS["seed"], show_default=True)
+@click.option("--negative-prompt", default=DEFAULTS["negative_prompt"])
+@click.option("--guidance", default=DEFAULTS["guidance_scale"], show_default=True, help="Guidance scale.")
+@click.option("--fps", default=DEFAULTS["fps"], show_default=True)
+@click.option("--image", callback=image_param, metavar="FILE|URL", help="First frame (image-to-video models).")
+@click.option("--priority", type=click.Choice([p.value for p in Priority]), help="Default: normal.")
+@click.option("--user", callback=user_param, help="Who the request is for (round robin across users).")
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait; then it is cancelled.")
+@click.option("--json", "json_out", is_flag=True, help="Print the Result as JSON on stdout (all else on stderr).")
+@redis_url_option()
+def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, guidance, fps, image, priority, user,
+             timeout, json_out):
+    """Generate one video on the live replicas, with a bar over its denoising steps; exit 0 once it is done."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from replicadp_tasks.validate import validate_request
+
+    from .oneshot import generate_one, summary
+
+    request = {"prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, "width": size[0],
+               "height": size[1], "num_frames": num_frames, "num_inference_steps": steps, "guidance_scale": guidance,
+               "fps": fps, "image": image, "priority": priority, "user": user}
+    request = {k: v for k, v in request.items() if v is not None}
+    try:
+        # Model-independent checks here (16: Wan's smallest size multiple); the replica checks what its model needs.
+        validate_request(request, size_multiple=16)
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{OPTION_OF.get(exc.field, exc.field)}'") from None
+    err = Console(stderr=True, soft_wrap=True)  # as progress.console: messages are not wrapped
+    out = err if json_out else console
+    outcome = generate_one(request, timeout=timeout, output=output, err=err)
+    if not outcome.ok:
+        err.print(f"[red]request {outcome.task_id} failed[/red]: {escape(outcome.error)}")
+        sys.exit(Exit.FAILED)
+    if json_out:
+        click.echo(json.dumps(outcome.result, indent=1))
+    out.print(summary(outcome, output), markup=False, highlight=False)
+
+
+@main.command()
+@click.argument("request_id", metavar="ID")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write its MP4 here (a completed request only).")
+@click.option("--json", "json_out", is_flag=True, help="Print the state as JSON on stdout.")
+@redis_url_option()
+def get(request_id, output, json_out):
+    """A request's state by its ID (the task id `generate` prints): queued, running (step), completed (its
+    result), failed (why) or unknown; exit 0, or 1 if it failed, 4 if unknown."""
+    from .api import fetch_video
+    from .oneshot import Status, describe, status_of
+
+    view = status_of(request_id)
+    if json_out:
+        click.echo(json.dumps(view, indent=1))
+    else:
+        console.print(describe(view), markup=False, highlight=False)
+    if output is not None:
+        if view["status"] != Status.COMPLETED:
+            click.echo(f"no video written to {output}: the request is {view['status']}", err=True)
+            sys.exit(Exit.NOT_FOUND if view["status"] == Status.UNKNOWN else Exit.FAILED)
+        output.write_bytes(fetch_video(view["result"]))
+        click.echo(f"wrote {output}", err=True)
+    sys.exit({Status.FAILED: Exit.FAILED, Status.UNKNOWN: Exit.NOT_FOUND}.get(view["status"], Exit.OK))
+
+
+@main.command()
+@click.argument("request_id", metavar="ID")
+@redis_url_option()
+def cancel(request_id):
+    """Cancel a request by its ID: a queued one never runs, a running one stops at its next denoising step; says
+    which it was. Exit 0, or 4 if the request is unknown."""
+    from .oneshot import Status, cancel as do_cancel, describe_cancel
+
+    view = do_cancel(request_id)
+    console.print(describe_cancel(view), markup=False, highlight=False)
+    sys.exit(Exit.NOT_FOUND if view["status"] == Status.UNKNOWN else Exit.OK)
+
+
 @main.command()
 @click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
 @redis_url_option()
@@ -179,20 +325,32 @@ def status(watch):
 
 
 @main.command()
-@click.option("--replicas", "n", default=1, show_default=True, help="Replicas to start.")
-@click.option("--devices", default="cpu", show_default=True, help="GPU ids (0,1,...) or cpu.")
+@click.option("--replicas", "n", type=int, help="Replicas to start (default: one per --gpus-per-replica GPUs, or 1 on "
+                                                 "the CPU).")
+@click.option("--devices", default="auto", show_default=True,
+              help="GPU ids (0,1,...), cpu, or auto: the visible GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi's), "
+                   "else cpu.")
 @click.option("--gpus-per-replica", default=1, show_default=True)
 @click.option("--threads", type=int, help="CPU threads per replica (cpu only).")
-@click.option("--model", default="tiny", show_default=True, help="Model spec: tiny, a local folder or a hub id.")
+# tiny unless REPLICADP_MODEL says otherwise: `up` works offline out of the box.
+@click.option("--model", default="tiny", envvar="REPLICADP_MODEL", show_default=True, show_envvar=True,
+              help="Model spec: tiny, a local folder or a hub id.")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the replicas to load.")
 @redis_url_option(help="Redis to start the replicas on (default: an embedded server, started here).")
 def up(n, devices, gpus_per_replica, threads, model, timeout):
     """Start the embedded server (unless REDIS_URL is set) and N replicas in the background."""
     from .api import redacted
+    from .local.replicas import plan, visible_gpus
     from .local.replicas import up as do_up
 
     try:
-        state = do_up(n, model, devices, threads, gpus_per_replica, timeout)
+        chosen, n = plan(devices, n, gpus_per_replica, visible_gpus() if devices == "auto" else [])
+    except ValueError as exc:
+        raise click.UsageError(str(exc))
+    console.print(f"up: {n} replica(s) of {model!r} on {'the CPU' if chosen == 'cpu' else 'GPU(s) ' + chosen}"
+                  + (" (--devices auto)" if devices == "auto" else ""))
+    try:
+        state = do_up(n, model, chosen, threads, gpus_per_replica, timeout)
     except (RuntimeError, TimeoutError) as exc:
         raise click.ClickException(str(exc))
     console.print(f"up: {len(state['replicas'])} replica(s) serving {model!r} on {redacted(state['redis_url'])}; "
@@ -279,17 +437,41 @@ def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, ba
               help="Requests waiting in the queue past which new ones get 429 (env REPLICADP_HTTP_MAX_QUEUE).")
 @click.option("--sync-timeout", default=1800.0, show_default=True, envvar="REPLICADP_HTTP_SYNC_TIMEOUT",
               help="Seconds a /v1/videos/sync request waits before a 504 (env REPLICADP_HTTP_SYNC_TIMEOUT).")
+@click.option("--api-key", "api_keys", multiple=True, envvar="REPLICADP_API_KEYS", metavar="KEY",
+              help="A bearer token /v1 accepts; repeat for several (env REPLICADP_API_KEYS, space-separated). "
+                   "Without keys the API is open.")
+@click.option("--api-keys-file", "key_files", multiple=True, envvar="REPLICADP_API_KEYS_FILE",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A file of API keys, one per line, # comments (env REPLICADP_API_KEYS_FILE).")
 @redis_url_option()
-def serve_http(host, port, max_queue, sync_timeout):
+def serve_http(host, port, max_queue, sync_timeout, api_keys, key_files):
     """HTTP front door: vllm-omni's video API (/v1/videos, /v1/videos/sync) in front of the replicas."""
+    import logging.config
+
     import uvicorn
 
-    from .http import create_app
+    from replicadp_tasks.logs import uvicorn_config
+    from replicadp_tasks.settings import SETTINGS
 
+    from .http import create_app
+    from .http.auth import ApiKeyError, read_keys
+
+    try:
+        keys = read_keys(api_keys, key_files)
+    except ApiKeyError as exc:
+        raise click.BadParameter(str(exc), param_hint="--api-key / --api-keys-file")
     check_redis()
+    log_config = uvicorn_config(SETTINGS.log_format)
+    logging.config.dictConfig(log_config)  # before uvicorn does: these lines are in the gateway's format too
+    log = logging.getLogger("uvicorn.error")
+    if keys:
+        log.info("API keys: %d; /v1 answers 401 without one of them", len(keys))
+    elif host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no API keys: anyone who reaches %s:%d can create, list and delete jobs (--api-key, "
+                    "REPLICADP_API_KEYS)", host, port)
     # A sync request still waiting this long after SIGTERM is dropped, and its generation cancelled.
-    uvicorn.run(create_app(max_queue=max_queue, sync_timeout=sync_timeout), host=host, port=port,
-                timeout_graceful_shutdown=10)
+    uvicorn.run(create_app(max_queue=max_queue, sync_timeout=sync_timeout, api_keys=keys), host=host, port=port,
+                timeout_graceful_shutdown=10, log_config=log_config)
 
 
 @main.command()
@@ -368,7 +550,8 @@ def make_tiny_model(directory, variant):
 @click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
 @click.option("--steps", default=DEFAULTS["num_inference_steps"], show_default=True)
 @click.option("--peak-tflops", default=PEAK_TFLOPS, show_default=True, help=f"The chip's bf16 TFLOP/s ({PEAKS}).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), callback=json_to,
+              help="Write the figures as JSON to this file, or to stdout with - (the table then goes to stderr).")
 def describe_model(spec, size, num_frames, steps, peak_tflops, json_out):
     """Each component's parameter count and size, built on the meta device (nothing is allocated), and the
     transformer's FLOPs per request. SPEC: random:ARCH (or ARCH), or tiny / tiny-wan2.1."""
@@ -381,5 +564,4 @@ def describe_model(spec, size, num_frames, steps, peak_tflops, json_out):
     fig = figures(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps, peak_tflops=peak_tflops)
     print_figures(fig)
     if json_out:
-        json_out.write_text(json.dumps(fig, indent=1))
-        console.print(f"written to {json_out}")
+        write_json(json_out, fig)

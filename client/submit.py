@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.validate import DEFAULTS, SCHEDULING_FIELDS, validate_request
+from replicadp_tasks.validate import DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, validate_request
 
 from .api import check_redis, fetch_video, run_requests
 from .progress import console, flight_text, progress_bar, wait_for_replicas
@@ -19,10 +19,10 @@ class BatchFileError(Exception):
 
 
 def request_id_for(kwargs: dict) -> str:
-    """A stable id for a line without one: re-running the file finds the same ids, whatever priority or user it
-    runs under this time."""
-    canonical = json.dumps({k: v for k, v in kwargs.items() if k not in SCHEDULING_FIELDS}, sort_keys=True,
-                           separators=(",", ":"))
+    """A stable id for a line without one: re-running the file finds the same ids, whatever priority, user or
+    webhook it runs with this time."""
+    canonical = json.dumps({k: v for k, v in kwargs.items() if k not in SCHEDULING_FIELDS + WEBHOOK_FIELDS},
+                           sort_keys=True, separators=(",", ":"))
     return "req-" + hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
@@ -105,8 +105,9 @@ def read_batch(path: Path, defaults: dict | None = None) -> list[tuple[int, dict
             kwargs = {"prompt": line}
         kwargs = {**(defaults or {}), **kwargs}
         try:
-            # Model-independent checks here; the replica also checks what its model needs (size multiples).
-            validate_request(kwargs, size_multiple=16)
+            # Model-independent checks here; the replica also checks what its model needs (size multiples) and
+            # what its deployment allows a webhook.
+            validate_request(kwargs, size_multiple=16, webhook_policy=False)
         except InvalidRequest as exc:
             errors.append(f"line {n}: {exc}")
             continue

@@ -13,6 +13,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .errors import FetchError, RequestCancelled
@@ -80,7 +81,7 @@ class _Download:
         with self._lock:
             self._aborted = True
             if self._guard is not None:
-                _shut(self._guard)
+                shut(self._guard)
 
     def failed(self, why: str) -> FetchError:
         return FetchError(f"{self.label}: {why}", *self.named)
@@ -109,37 +110,16 @@ class _Download:
 
     def _get(self, url: str, where: str, hop: int) -> tuple[int, str | None, bytes]:
         """One request: (status, Location, body); the body only of a 2xx answer."""
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https"):
-            raise self.failed(f"{where}scheme not allowed; only http and https")
+        to = target(url, self.allow_nets, lambda why: self.failed(where + why), name_host=hop == 0)
+        sock = self._connect(to.infos)
         try:
-            host, port = parts.hostname, parts.port
-            if port is None:
-                port = 443 if parts.scheme == "https" else 80
-            if not host:
-                raise ValueError("no host")
-            ascii_host = host.encode("idna").decode("ascii")
-        except (ValueError, UnicodeError):
-            raise self.failed(f"{where}not a valid URL") from None
-        named = f"host {host[:80]!r}" if hop == 0 else "its host"
-        try:
-            infos = socket.getaddrinfo(ascii_host, port, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            raise self.failed(f"{where}{named} does not resolve") from None
-        for info in infos:  # every address: a name with one public and one internal address is refused
-            refusal = _refusal(info[4][0], self.allow_nets)
-            if refusal:
-                raise self.failed(f"{where}address {info[4][0]} of {named} is {refusal}, not "
-                                 "allowed (REPLICADP_FETCH_ALLOW)")
-        sock = self._connect(infos)
-        try:
-            if parts.scheme == "https":
+            if to.parts.scheme == "https":
                 # Verified against the URL's host name; the address was checked above and is not looked up again.
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=ascii_host)
-            return self._exchange(sock, parts, ascii_host, port, where)
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=to.ascii_host)
+            return self._exchange(sock, to, where)
         finally:
             with self._lock:  # shut down, not only closed: http.client's response still holds the socket's file
-                _shut(self._guard)
+                shut(self._guard)
                 self._guard.close()
                 self._guard = None
             sock.close()
@@ -168,17 +148,12 @@ class _Download:
                     self._guard = None
         raise error  # run() logs it and answers FAILED
 
-    def _exchange(self, sock, parts, ascii_host: str, port: int, where: str) -> tuple[int, str | None, bytes]:
-        default = 443 if parts.scheme == "https" else 80
-        host_header = f"[{ascii_host}]" if ":" in ascii_host else ascii_host
-        if port != default:
-            host_header += f":{port}"
-        conn = http.client.HTTPConnection(ascii_host, port)
+    def _exchange(self, sock, to: Target, where: str) -> tuple[int, str | None, bytes]:
+        conn = http.client.HTTPConnection(to.ascii_host, to.port)
         conn.sock = sock  # already connected (and wrapped): http.client must not connect by itself
         try:
-            conn.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
-                         headers={"Host": host_header, "User-Agent": "replicadp", "Accept": "*/*",
-                                  "Connection": "close"})
+            conn.request("GET", to.path, headers={"Host": to.host_header, "User-Agent": "replicadp", "Accept": "*/*",
+                                                  "Connection": "close"})
         except http.client.InvalidURL:
             raise self.failed(f"{where}not a valid URL") from None
         resp = conn.getresponse()
@@ -195,6 +170,56 @@ class _Download:
             if len(body) > self.max_bytes:
                 raise too_big
         return resp.status, None, bytes(body)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one request to a URL goes: its parts, its host as sent, its port and its host's addresses, each one
+    checked. Connect only to these: looking the name up again could answer another address (DNS rebinding)."""
+
+    parts: urllib.parse.SplitResult
+    ascii_host: str
+    port: int
+    infos: list  # socket.getaddrinfo's answer
+
+    @property
+    def host_header(self) -> str:
+        header = f"[{self.ascii_host}]" if ":" in self.ascii_host else self.ascii_host
+        return header if self.port == (443 if self.parts.scheme == "https" else 80) else f"{header}:{self.port}"
+
+    @property
+    def path(self) -> str:
+        return urllib.parse.urlunsplit(("", "", self.parts.path or "/", self.parts.query, ""))
+
+
+def target(url: str, allow_nets: Sequence, failed: Callable[[str], Exception], name_host: bool = True,
+           unresolved: Callable[[str], Exception] | None = None) -> Target:
+    """The Target of `url`; else raises `failed(why)`: a scheme other than http(s), not a valid URL, a host that
+    does not resolve (`unresolved(why)` if given: a lookup may fail for a moment), or one with an address that is
+    not public and not in `allow_nets` (ip_network objects). `name_host`: whether `why` may name the host (not a
+    redirect's: the remote side chose it)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise failed("scheme not allowed; only http and https")
+    try:
+        host, port = parts.hostname, parts.port
+        if port is None:
+            port = 443 if parts.scheme == "https" else 80
+        if not host:
+            raise ValueError("no host")
+        ascii_host = host.encode("idna").decode("ascii")
+    except (ValueError, UnicodeError):
+        raise failed("not a valid URL") from None
+    named = f"host {host[:80]!r}" if name_host else "its host"
+    try:
+        infos = socket.getaddrinfo(ascii_host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        raise (unresolved or failed)(f"{named} does not resolve") from None
+    for info in infos:  # every address: a name with one public and one internal address is refused
+        refusal = _refusal(info[4][0], tuple(allow_nets))
+        if refusal:
+            raise failed(f"address {info[4][0]} of {named} is {refusal}, not allowed (REPLICADP_FETCH_ALLOW)")
+    return Target(parts, ascii_host, port, infos)
 
 
 def _refusal(address: str, allow_nets: tuple) -> str | None:
@@ -217,7 +242,8 @@ def _refusal(address: str, allow_nets: tuple) -> str | None:
     return None
 
 
-def _shut(sock: socket.socket) -> None:
+def shut(sock: socket.socket) -> None:
+    """Shut `sock` down both ways: a read or write blocked on it in another thread returns."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:  # not connected yet, or already closed

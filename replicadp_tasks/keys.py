@@ -19,10 +19,17 @@ STORE_KEY = "replicadp:store:"  # + request_id + ".mp4" / ".json": the video and
 ALIVE_KEY = "replicadp:alive:"  # + replica name: heartbeat, expires a lease after its last renewal
 HOLDERS_KEY = "replicadp:holders"  # hash, delivery tag -> replica name holding that message
 STANDBY_PREFIX = "replicadp.standby."  # + replica name: the private queue a replica starts on (worker.py)
+SWEEP_KEY = "replicadp:store-sweep"  # replica name, expiring: the one replica that sweeps the output store now
 
 # --- written by both: refused messages by the main process, poison requests and duplicates by the pool child
 DEAD_KEY = "replicadp:dead"  # list of JSON records of requests failed as poison or refused, newest first
-STATS_KEY = "replicadp:stats"  # hash of counters: refused_messages, duplicate_executions
+STATS_KEY = "replicadp:stats"  # hash of counters: refused_messages, duplicate_executions, webhook_give_ups
+# Webhook events (webhooks.py), queued by the pool child (a failure's by the main process too), sent by the main
+# processes' senders:
+WEBHOOK_SENT_KEY = "replicadp:webhook:sent:"  # + task id: hash of the ids of the events queued for it, once each
+WEBHOOK_DUE_KEY = "replicadp:webhook:due"  # sorted set, event id -> when it is due (Redis's clock); a sender that
+# takes one makes it due again webhooks.CLAIM_S later, so that another takes it if this one dies sending
+WEBHOOK_EVENTS_KEY = "replicadp:webhook:events"  # hash, event id -> JSON webhooks.Queued (URL, payload, attempts)
 
 # --- written by kombu (the broker side of Celery), read by the lease sweep --------------------------------
 UNACKED_KEY = "unacked"  # hash, delivery tag -> message delivered and not yet acknowledged
@@ -35,7 +42,7 @@ CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request,
 FAIR_KEY = "replicadp:fair:"  # + list name: hash, user -> last fair tag, and ~hwm (scheduling.place)
 
 # --- written by the HTTP gateways (shared by all of them) -------------------------------------------------
-JOBS_KEY = "replicadp:http:jobs"  # sorted set: job id -> creation time
+JOBS_KEY = "replicadp:http:jobs"  # sorted set: job id -> creation time; + ":" + API key owner: that key's jobs
 JOB_KEY = "replicadp:http:job:"  # + job id: the job's request as created (JSON), kept REPLICADP_RESULT_TTL
 ADMITTING_KEY = "replicadp:http:admitting:"  # + queue: sorted set, task id -> admission time (client/http)
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import determinism
+from . import determinism, hub
 from .architectures import architecture, build_pipeline, request_flops
 from .errors import ModelLoadError, OutOfMemory
 from .validate import REFERENCE_WORK, GenerateRequest
@@ -48,7 +48,7 @@ def synthetic_seconds(spec: str) -> float | None:
 
 
 def resolve_model(spec: str, model_cache: Path) -> str:
-    """A model spec to what from_pretrained takes: a local folder or a hub id."""
+    """A model spec to the local folder from_pretrained loads: a hub model is downloaded first (hub.py)."""
     if spec in TINY_SPECS:
         from .tiny_model import ensure_tiny_model
 
@@ -57,7 +57,7 @@ def resolve_model(spec: str, model_cache: Path) -> str:
         return str(Path(spec).expanduser().resolve())
     if spec.startswith((".", "/", "~")):
         raise ModelLoadError(f"REPLICADP_MODEL={spec!r}: no such folder")
-    return spec  # a hub id: from_pretrained looks in the local cache, or downloads unless HF_HUB_OFFLINE=1
+    return hub.download(spec)
 
 
 @dataclass(frozen=True)

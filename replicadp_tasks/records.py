@@ -55,7 +55,9 @@ class Result(TypedDict, total=False):
     peak_memory_gib: float | None
     execution: str  # the FenceToken of the delivery that computed it
     redelivered: bool  # this delivery returned a result that another (or an earlier one) stored
-    video_uri: str  # file://... or redis-key:... (set by the store)
+    video_uri: str  # file://..., redis-key:... or s3://bucket/key (set by the store)
+    video_url: str  # s3 only: a presigned GET URL of the MP4, made as the result is handed out (store.with_video_url)
+    video_url_expires_at: int  # s3 only: when video_url stops working (unix seconds)
 
 
 class ReplicaInfo(TypedDict):

@@ -7,9 +7,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
+from .logs import LogFormat
 from .scheduling import Scheduling
 
 # Where `replicadp up` records the embedded server's URL, so that a plain `generate.delay()` finds it.
@@ -60,6 +62,15 @@ def _scheduling(name: str, default: Scheduling) -> Scheduling:
                          f"{', '.join(Scheduling)}") from None
 
 
+def _choice(name: str, kind: type[StrEnum], default: StrEnum) -> StrEnum:
+    """One of the values of the StrEnum `kind`."""
+    raw = os.environ.get(name) or default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not one of {', '.join(kind)}") from None
+
+
 def _redis_url() -> str:
     """REDIS_URL wins; else the embedded server that `replicadp up` started; else a local Redis."""
     if os.environ.get("REDIS_URL"):
@@ -98,6 +109,13 @@ class Settings:
     image_dir: Path | None
     model_cache: Path
     scheduling: Scheduling
+    s3_bucket: str
+    s3_prefix: str
+    s3_endpoint_url: str | None
+    s3_url_ttl_s: int
+    log_format: LogFormat
+    webhooks: bool
+    webhook_secret: str = field(repr=False)  # signs every webhook POST; never printed
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -110,9 +128,9 @@ class Settings:
             queue=os.environ.get("REPLICADP_QUEUE", "video"),
             # Absolute, so that video URIs mean the same to every process on the host.
             output_dir=Path(os.environ.get("OUTPUT_DIR", "outputs")).resolve(),
-            # "dir" needs a disk shared with the clients; "redis" keeps the bytes in Redis under a TTL.
+            # "dir" needs a disk shared with the clients; "redis" keeps the bytes in Redis under a TTL; "s3": a bucket.
             store=os.environ.get("REPLICADP_STORE", "dir"),
-            # A day: long enough to fetch a video, short enough not to fill Redis.
+            # A day: long enough to fetch a video, short enough not to fill Redis, a disk or a bill. 0: forever.
             store_ttl_s=_int("REPLICADP_STORE_TTL", 86400),
             # Results are metadata only (a few hundred bytes); keep them as long as the videos.
             result_ttl_s=_int("REPLICADP_RESULT_TTL", 86400),
@@ -167,6 +185,22 @@ class Settings:
             # Where a producer places a request (scheduling.py): "fair" (priorities, then round robin across
             # users) or "fifo" (one list in arrival order: the baseline the scheduling benchmark compares with).
             scheduling=_scheduling("REPLICADP_SCHEDULING", Scheduling.FAIR),
+            # REPLICADP_STORE=s3: the bucket (no default: it is the operator's), and the key prefix the videos go
+            # under, so that a bucket can hold other things too (retention removes only what lies under it).
+            s3_bucket=os.environ.get("REPLICADP_S3_BUCKET", ""),
+            s3_prefix=os.environ.get("REPLICADP_S3_PREFIX", "replicadp/"),
+            # Unset: AWS itself; set for MinIO, Ceph, R2 or any other S3 API (credentials: boto3's own chain).
+            s3_endpoint_url=os.environ.get("REPLICADP_S3_ENDPOINT_URL") or None,
+            # An hour: a client fetches a video soon after it reads the result; readers make a fresh URL on each
+            # read (store.with_video_url). At most 7 days, SigV4's limit (store.S3Store refuses more).
+            s3_url_ttl_s=_int("REPLICADP_S3_URL_TTL", 3600),
+            # Today's text lines by default (a person reads them); json: one object per line for a log shipper.
+            log_format=_choice("REPLICADP_LOG_FORMAT", LogFormat, LogFormat.TEXT),
+            # Webhooks (webhooks.py) are on where a secret is set: 0 refuses every request that names one.
+            webhooks=_bool("REPLICADP_WEBHOOKS", True),
+            # No default: an unsigned webhook could be forged by anyone who learns its URL, so without a secret
+            # a request naming a webhook is refused (set the same one on the gateways and the replicas).
+            webhook_secret=os.environ.get("REPLICADP_WEBHOOK_SECRET", ""),
         )
 
 

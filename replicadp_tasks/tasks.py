@@ -24,6 +24,7 @@ from .records import Progress, RequestState, Result
 from .settings import SETTINGS
 from .validate import GenerateRequest, input_key, validate_request
 from .video import encode_mp4, frames_sha256
+from .webhooks import Event, Webhook, check_webhook, emit
 
 log = logging.getLogger("replicadp")
 FENCE_POLL_S = 0.5  # how often a delivery waiting on another's fence looks for its result
@@ -51,13 +52,17 @@ def generate(self, prompt=None, **kwargs) -> Result:
     # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer.
     earlier = delivery.take_fence()
     if earlier is not None:
+        delivery.tell(Event.COMPLETED, result=earlier)
         return earlier
     me.fences.current = (delivery.fence, delivery.token)  # renewed by the fence keeper thread from now on
     try:
         # 5. Run the pipeline and encode the MP4.
+        delivery.tell(Event.STARTED)
         video, result = delivery.run()
         # 6. Store it (the first delivery to store wins) and return its metadata.
-        return delivery.store(video, result)
+        stored = delivery.store(video, result)
+        delivery.tell(Event.COMPLETED, result=stored)
+        return stored
     finally:
         me.fences.current = None
         lease.release(me.redis, delivery.fence, delivery.token)
@@ -75,6 +80,7 @@ class Delivery:
     request_id: str  # the caller's, else the task id
     token: FenceToken
     started: float
+    webhook: Webhook | None  # where its events go (webhooks.py)
     reported: float = 0.0  # when Progress was last written
 
     @classmethod
@@ -93,9 +99,12 @@ class Delivery:
                 timeout_s=SETTINGS.image_timeout_s, image_dir=SETTINGS.image_dir, allow_nets=SETTINGS.fetch_allow,
                 cancelled=lambda: child.current().cancelled(task.request.id))
         params = req.params(image_sha256)
+        # Checked by validate_request, with the deployment's policy: only read here.
+        webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=False)
         return cls(task=task, req=req, image=image, params=params, input_key=input_key(params, SETTINGS.model),
                    request_id=req.request_id or task.request.id,
-                   token=FenceToken(task.request.hostname, os.getpid(), task.request.id), started=started)
+                   token=FenceToken(task.request.hostname, os.getpid(), task.request.id), started=started,
+                   webhook=webhook)
 
     @property
     def fence(self) -> str:
@@ -148,6 +157,13 @@ class Delivery:
             self.task.update_state(state=RequestState.PROGRESS, meta=Progress(
                 step=step, total_steps=total, replica=self.token.replica, request_id=self.request_id,
                 pid=self.token.pid))
+            self.tell(Event.PROGRESS, step=step, total_steps=total)
+
+    def tell(self, event: Event, **fields) -> None:
+        """Queue a webhook event of this request, if it asks for it: a Redis write, never a wait on the receiver
+        (the replica's main process sends it)."""
+        emit(child.current().redis, self.webhook, event, task_id=self.task.request.id, request_id=self.request_id,
+             replica=self.token.replica, **fields)
 
     def run(self) -> tuple[bytes, Result]:
         """Denoise, decode and encode: the MP4 and its Result (without its video_uri: the store sets it)."""

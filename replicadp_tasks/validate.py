@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import InvalidRequest
 from .scheduling import check_priority, check_user
+from .webhooks import check_webhook
 
 # generate's defaults are the reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
 # The bench, the CLI and the FLOP counts take it from here.
@@ -32,7 +33,9 @@ DEFAULTS = {
 }
 # Where the request waits, not what it makes (scheduling.py): checked here, never part of its identity.
 SCHEDULING_FIELDS = ("priority", "user")
-FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS)
+# How the request is told of its events (webhooks.py), not what it makes: checked here, never part of its identity.
+WEBHOOK_FIELDS = ("webhook", "webhook_events")
+FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS, *WEBHOOK_FIELDS)
 REFERENCE_SIZE = f"{DEFAULTS['width']}x{DEFAULTS['height']}"
 REFERENCE_WORK = DEFAULTS["height"] * DEFAULTS["width"] * DEFAULTS["num_frames"] * DEFAULTS["num_inference_steps"]
 
@@ -129,11 +132,12 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
 
 
 def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
-                     max_work: int | None = None) -> GenerateRequest:
+                     max_work: int | None = None, webhook_policy: bool = True) -> GenerateRequest:
     """Check `generate`'s keyword arguments and return them with defaults filled in.
 
     `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
-    deployment's budget for height x width x num_frames x num_inference_steps.
+    deployment's budget for height x width x num_frames x num_inference_steps; `webhook_policy=False` checks a
+    webhook's form only, not what this deployment allows (for a producer without its settings: the replica checks).
     Raises InvalidRequest naming the first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
@@ -143,7 +147,8 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
         _fail("prompt", None, "is required")
     check_priority(kwargs.get("priority"))
     check_user(kwargs.get("user"))
-    v = {**DEFAULTS, **{k: x for k, x in kwargs.items() if x is not None and k not in SCHEDULING_FIELDS}}
+    v = {**DEFAULTS, **{k: x for k, x in kwargs.items()
+                        if x is not None and k not in SCHEDULING_FIELDS + WEBHOOK_FIELDS}}
 
     for side in ("height", "width"):
         _int(side, v[side], size_multiple, MAX_SIDE)
@@ -178,4 +183,6 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
         _fail("height x width x num_frames x num_inference_steps",
               f"{req.height}x{req.width}x{req.num_frames}x{req.num_inference_steps}",
               f"= {work} is over this deployment's budget REPLICADP_MAX_WORK={max_work}")
+    # Last: its address check looks the host up.
+    check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=webhook_policy)
     return req

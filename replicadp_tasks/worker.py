@@ -15,27 +15,31 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
 
 import redis
 from billiard.exceptions import WorkerLostError
 from celery import bootsteps, signals
+from celery.utils.log import get_multiprocessing_logger
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from kombu.transport import virtual
 
-from . import child
+from . import child, logs, webhooks
 from .app import app
 from .keys import REPLICA_KEY, STANDBY_PREFIX
 from .lease import FenceKeeper, Keeper
 from .pipeline import PipelineHolder, describe_device
 from .records import ReplicaInfo
 from .settings import SETTINGS
-from .store import open_store, outage_tolerant
+from .store import open_store, outage_tolerant, sweep_forever
+from .validate import REQUEST_ID_RE
 
 log = logging.getLogger("replicadp")
 
@@ -50,6 +54,7 @@ class MainProcess:
     stopping: object = None  # a RawValue in shared memory, set at shutdown; the pool children read it
     keeper: Keeper | None = None  # the leases (lease.py), ticking in a thread
     consumer: object = None  # Celery's consumer, to stop consuming the shared queue
+    events: redis.Redis | None = None  # queues a failed request's webhook event; inherited by the pool children
 
 
 MAIN = MainProcess()
@@ -66,12 +71,126 @@ def _start_on_standby(sender, instance, conf, **_):
     conf.task_queues = [Queue(standby, Exchange(standby), routing_key=standby)]
 
 
+def redis_address(url: str):
+    """What names one Redis database in a URL, to compare two: scheme, host, port (default 6379), DB (default 0),
+    user and password. Hosts are compared as written, never resolved: localhost and 127.0.0.1 differ. A URL that
+    is not one redis:// or rediss:// server (Sentinel, a failover list, a socket) is compared as written."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or ";" in url:
+        return url
+    try:
+        port = parts.port or 6379
+    except ValueError:  # not a number: Celery refuses it itself
+        return url
+    db = parts.path.strip("/") or parse_qs(parts.query).get("db", ["0"])[0]
+    return (parts.scheme, (parts.hostname or "localhost").lower(), port, db, parts.username or None,
+            parts.password or None)
+
+
+@signals.worker_init.connect
+def _one_redis(sender, **_):
+    """In the main process, before it connects to anything: refuse to start when Celery's broker or result
+    backend (after `-b`, `--result-backend`, CELERY_BROKER_URL, CELERY_RESULT_BACKEND) is not the Redis of
+    SETTINGS.redis_url, which the leases, fences and output store use: the queue would silently be on one server
+    and the rest on another."""
+    conf = sender.app.conf
+    ours = redis_address(SETTINGS.redis_url)
+    wrong = [(what, url) for what, url in (("broker", conf.broker_url), ("result backend", conf.result_backend))
+             if redis_address(url or "") != ours]
+    if wrong:
+        from client.api import redacted  # the client's own redaction: no password in a message
+
+        given = "; ".join(f"Celery's {what} is {redacted(url or '')!r}" for what, url in wrong)
+        raise SystemExit(f"replicadp: {given}, but replicadp's Redis (REDIS_URL, else `replicadp up`'s server) is "
+                         f"{redacted(SETTINGS.redis_url)!r}. One Redis serves both: set REDIS_URL to it and drop "
+                         "`-b` / `--result-backend` / CELERY_BROKER_URL / CELERY_RESULT_BACKEND.")
+
+
+@signals.worker_ready.connect
+def _sweep_the_store(**_):
+    """In the main process, once: the output store's retention sweep (store.sweep_forever), in a thread. Redis
+    expires its keys itself."""
+    if SETTINGS.store_ttl_s and SETTINGS.store != "redis":
+        threading.Thread(target=sweep_forever, name="replicadp-sweep", daemon=True, args=(
+            open_store(SETTINGS), outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s), MAIN.name,
+            SETTINGS.store_ttl_s)).start()
+
+
 @signals.worker_shutting_down.connect
 def _stopping(**_):
     """In the main process, at SIGTERM/SIGINT: tell a child still loading not to wait for an answer that a
     stopping main process no longer gives (it would hang the warm shutdown until SIGKILL)."""
     if MAIN.stopping is not None:
         MAIN.stopping.value = 1
+
+
+@signals.celeryd_init.connect
+def _json_from_the_start(sender, instance, **_):
+    """In the main process, before Celery sets up logging. In JSON: no start-up banner, which is text (`celery
+    inspect stats` and `replicadp status` report the same); the warnings raised until then (SecurityWarning, as
+    root) as JSON lines; and no shutdown notices ("worker: Warm shutdown"), which Celery's signal handlers write
+    raw to sys.__stdout__, not through logging (a signal handler must not take the logging locks)."""
+    if SETTINGS.log_format == logs.LogFormat.JSON:
+        instance.quiet = True
+        logging.captureWarnings(True)
+        early = logging.StreamHandler()
+        logs.configure([early], SETTINGS.log_format, logs.Role.REPLICA, sender)
+        logging.getLogger().addHandler(early)  # until Celery replaces the root's handlers with its own
+        sys.__stdout__ = open(os.devnull, "w")
+
+
+@signals.after_setup_logger.connect
+def _log_lines(logger, **_):
+    """In the main process, once Celery has set up logging (a pool child inherits it at fork): every line
+    (Celery's, billiard's, ours, stdout and stderr redirected) in REPLICADP_LOG_FORMAT, naming this replica."""
+    logs.configure([*logger.handlers, *get_multiprocessing_logger().handlers], SETTINGS.log_format,
+                   logs.Role.REPLICA, MAIN.name)
+
+
+@signals.after_setup_task_logger.connect
+def _task_log_lines(logger, **_):
+    """Celery's task logger, which does not propagate: the same, and in text its format names the request
+    (celeryconfig's worker_task_log_format)."""
+    logs.configure(logger.handlers, SETTINGS.log_format, logs.Role.REPLICA, MAIN.name)
+
+
+@signals.task_prerun.connect
+def _request_started(task_id, kwargs=None, **_):
+    """In the pool child: the lines it logs until the request ends name it, by the caller's request_id if it
+    is a valid one (as tasks.py names the request), else its task id."""
+    asked = (kwargs or {}).get("request_id")
+    logs.request_started(task_id, asked if isinstance(asked, str) and REQUEST_ID_RE.fullmatch(asked) else task_id)
+
+
+@signals.task_postrun.connect
+def _request_ended(**_):
+    logs.request_ended()
+
+
+@signals.celeryd_init.connect
+def _webhook_events(**_):
+    """In the main process, before the pool forks: the Redis client that queues failures' webhook events, in
+    the main process and (inherited: redis-py reconnects after a fork) in every pool child."""
+    MAIN.events = redis.Redis.from_url(SETTINGS.redis_url, socket_timeout=2, socket_connect_timeout=2)
+
+
+@signals.worker_ready.connect
+def _send_webhooks(**_):
+    """In the main process, once: the webhook senders (webhooks.py), threads that POST the events its pool
+    child and the other replicas' queue: the pool child never waits on a receiver."""
+    if webhooks.available():
+        webhooks.Sender(SETTINGS.redis_url, SETTINGS.webhook_secret, SETTINGS.fetch_allow).start()
+    elif SETTINGS.webhooks:
+        log.info("webhooks are off: REPLICADP_WEBHOOK_SECRET is not set; requests naming one are refused")
+
+
+@signals.task_failure.connect
+def _tell_failure(sender=None, task_id=None, exception=None, kwargs=None, **_):
+    """A request failed for good: queue its webhook's `failed` event. Celery sends task_failure in the pool child
+    for what the task raised (invalid input, cancelled, poison, the soft time limit, a pipeline error) and in the
+    main process for the hard time limit; never for a request that it requeues (its pool child was lost)."""
+    if getattr(sender, "name", None) == "replicadp.generate" and MAIN.events is not None:
+        webhooks.emit_failure(MAIN.events, kwargs or {}, task_id, MAIN.name, exception)
 
 
 class LeaseStep(bootsteps.StartStopStep):
@@ -146,8 +265,7 @@ def _load_then_consume(**_):
                               deterministic=SETTINGS.deterministic)
     try:
         pipeline.load()
-        store = open_store(SETTINGS.store, SETTINGS.output_dir, SETTINGS.redis_url, SETTINGS.store_ttl_s,
-                           SETTINGS.redis_outage_s)
+        store = open_store(SETTINGS)
     except Exception:
         # A replica that cannot load its model must not serve: stop the whole worker so that its
         # supervisor sees the failure, instead of the pool restarting this child in a loop.

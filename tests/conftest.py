@@ -105,3 +105,62 @@ def replicas(redis_server, tiny_model):
     group = start_replicas(2, redis_server.url, "replicas", REPLICADP_MAX_WORK=str(128 * 128 * 17 * 30))
     yield group
     group.stop()
+
+
+@pytest.fixture
+def clean_env(tmp_path):
+    """For a `replicadp` command that starts servers of its own (up, demo): an environment with no REDIS_URL, its
+    own state folder and its own TMPDIR, whose processes test_embedded.started_with finds (and checks gone)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(TMPDIR=str(tmp), REPLICADP_STATE_DIR=str(tmp_path / "state"))
+    return env, tmp
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's standalone S3 server, a process of its own on 127.0.0.1 and a free port, spoken to over HTTP (boto3
+    with its endpoint URL); stopped after the session. It takes any credentials: this process, and the replicas,
+    clients and gateways it starts from now on, get test ones through boto3's own variables, and its endpoint URL
+    (REPLICADP_S3_ENDPOINT_URL; this process read its SETTINGS before: in here, pass `.url`)."""
+    from client.local.embedded import _free_port, die_with_parent
+    from helpers import wait_for
+    from replicadp_tasks.store import new_s3_client
+
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    port = _free_port()
+    (SESSION_DIR / "logs").mkdir(parents=True, exist_ok=True)
+    with open(SESSION_DIR / "logs" / "moto.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # noqa: PLW1509 (as Replicas)
+    url = os.environ["REPLICADP_S3_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+    client = new_s3_client(url)
+
+    def answers() -> bool:
+        assert proc.poll() is None, f"moto exited ({proc.returncode}): see {SESSION_DIR / 'logs' / 'moto.log'}"
+        try:
+            return client.list_buckets() is not None
+        except Exception:  # noqa: BLE001 (not listening yet)
+            return False
+
+    try:
+        wait_for(answers, "moto's S3 server to answer")
+        yield SimpleNamespace(url=url, client=client)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A bucket of this test's own on the session's S3 server."""
+    import uuid
+
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    s3_server.client.create_bucket(Bucket=name)
+    return name

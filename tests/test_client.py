@@ -106,7 +106,7 @@ def test_unreachable_redis_is_a_clear_error_within_seconds():
     """With nothing listening at REDIS_URL, bench fails fast with the URL (password hidden), not a hang."""
     started = time.monotonic()
     run = cli("bench", "--num-requests", "1", redis_url="redis://:secret@127.0.0.1:1/0", timeout=60)
-    assert run.returncode == 1
+    assert run.returncode == 3  # cli.Exit.UNAVAILABLE
     assert "cannot reach Redis at redis://:***@127.0.0.1:1/0" in run.stderr and "secret" not in run.stderr
     assert time.monotonic() - started < 20
 

@@ -32,16 +32,6 @@ def started_with(tmp: Path) -> set[int]:
     return pids
 
 
-@pytest.fixture
-def clean_env(tmp_path):
-    """An environment with no REDIS_URL, its own state folder and its own TMPDIR (checked empty after)."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    env.update(TMPDIR=str(tmp), REPLICADP_STATE_DIR=str(tmp_path / "state"))
-    return env, tmp
-
-
 def test_demo_runs_the_reference_protocol_and_cleans_up(clean_env, tmp_path, tiny_model):
     """`replicadp demo` starts its own server, benches 1 then 2 replicas, passes the isolation check,
     prints the table and where the videos are, and leaves no process or temp folder behind."""
@@ -63,7 +53,8 @@ def test_up_then_plain_generate_then_down(clean_env, tiny_model):
     """After `replicadp up`, `generate.delay().get()` works with no variable set (the URL comes from up's
     state); `down` stops the server and the replicas."""
     env, tmp = clean_env
-    up = subprocess.run([REPLICADP, "up", "--replicas", "1"], env=env, capture_output=True, text=True, timeout=300)
+    up = subprocess.run([REPLICADP, "up", "--replicas", "1", "--devices", "cpu"], env=env, capture_output=True,
+                        text=True, timeout=300)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         state = json.loads((Path(env["REPLICADP_STATE_DIR"]) / "state.json").read_text())
@@ -106,8 +97,8 @@ def test_up_restarts_its_killed_server_with_its_data(clean_env):
     afterwards served by the replica. The password is on no command line. `down` leaves neither the supervisor
     nor the server behind."""
     env, tmp = clean_env
-    up = subprocess.run([REPLICADP, "up", "--replicas", "1", "--threads", "1", "--model", SYNTHETIC], env=env,
-                        capture_output=True, text=True, timeout=300)
+    up = subprocess.run([REPLICADP, "up", "--replicas", "1", "--devices", "cpu", "--threads", "1", "--model",
+                         SYNTHETIC], env=env, capture_output=True, text=True, timeout=300)
     supervisor = servers = None
     try:
         assert up.returncode == 0, up.stdout + up.stderr

@@ -65,7 +65,7 @@ def gateway(url: str, name: str, *args: str, **env: str):
     try:
         wait_for(serving, f"the gateway to serve (log: {log_path})")
         with httpx.Client(base_url=base, timeout=120) as client:
-            yield SimpleNamespace(url=base, client=client, redis_url=url)
+            yield SimpleNamespace(url=base, client=client, redis_url=url, log_path=log_path)
     finally:
         stop_pid(proc.pid)
 
@@ -162,12 +162,14 @@ def test_the_same_input_gives_the_same_bytes_on_either_replica(live, replicas):
     assert other.status_code == 200 and other.content != answers[0].content
 
 
-def test_seconds_and_fps_set_the_frame_count(live):
-    """Without num_frames, seconds x fps + 1 frames (Wan's count: both ends), at that frame rate."""
+@pytest.mark.parametrize("seconds, fps, frames", [(2, 4, 9), (1, 5, 5), (1, 7, 5)])
+def test_seconds_and_fps_set_the_frame_count(live, seconds, fps, frames):
+    """Without num_frames, the frames of vllm-omni's video for those seconds: seconds x fps, made of the form
+    4k+1 as Wan's pipelines make it ((n // 4) x 4 + 1), at that frame rate; the job shows the count."""
     form = {k: v for k, v in SMALL.items() if k != "num_frames"}
-    r = post(live, "/v1/videos/sync", {**form, "seconds": "2", "fps": "4"})
+    r = post(live, "/v1/videos/sync", {**form, "seconds": str(seconds), "fps": str(fps)})
     assert r.status_code == 200, r.text
-    assert mp4_frames(r.content) == (9, 64, 64, 4.0)
+    assert mp4_frames(r.content) == (frames, 64, 64, float(fps))
 
 
 def test_an_uploaded_first_frame_guides_the_video(live):
@@ -207,7 +209,7 @@ def test_async_job_life_cycle(live, replicas):
     ({"size": "64by64"}, 400, "size"),
     ({"width": "128"}, 400, "size"),  # conflicts with size=64x64
     ({"num_frames": "8"}, 400, "num_frames"),
-    ({"num_frames": None, "seconds": "1", "fps": "5"}, 400, "seconds"),  # 6 frames
+    ({"num_frames": None, "seconds": "300", "fps": "5"}, 400, "seconds"),  # 1501 frames, over 1025
     ({"prompt": "a\x00b"}, 400, "prompt"),
     ({"model": "Wan-AI/other"}, 400, "model"),
     ({"flow_shift": "5.0"}, 400, "flow_shift"),  # vllm-omni knows it; ignoring it would change the video
@@ -434,3 +436,109 @@ def test_schemathesis_finds_no_500(closed):
             assert response.status_code != 500, f"{case.method} {case.formatted_path}: {response.text}"
 
         no_500()
+
+
+# vllm-omni's form fields (docs/serving/videos_api.md) this gateway accepts, and those it refuses on purpose
+# (docs/http.md, "Differences from vllm-omni"): each would change the video, and Wan2.2-TI2V-5B has no use for it.
+VLLM_OMNI_REFUSED = {"guidance_scale_2": "4.0", "boundary_ratio": "0.875", "flow_shift": "5.0",
+                     "lora": '{"name": "x"}', "extra_params": "{}", "quality": "high",
+                     "image_reference": '{"image_url": "https://example.com/frame.png"}'}
+VLLM_OMNI_JOB_FIELDS = {"id", "object", "model", "prompt", "status", "progress", "size", "seconds", "created_at",
+                        "completed_at", "expires_at", "error", "inference_time_s", "stage_durations",
+                        "peak_memory_mb"}
+
+
+def test_every_vllm_omni_field_gets_vllm_omnis_answer(live):
+    """A job created with every field of vllm-omni's form that replicadp takes completes with the job object
+    vllm-omni answers (its fields, whole seconds, stage durations and peak memory), its content carries
+    vllm-omni's headers, and each field replicadp refuses on purpose is a 400 naming it."""
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), (20, 90, 200)).save(png, format="PNG")
+    form = {"prompt": "a fox in snow", "model": "tiny", "seconds": "2", "fps": "4", "size": "64x64", "width": "64",
+            "height": "64", "num_frames": "9", "num_inference_steps": "2", "guidance_scale": "4.5", "seed": "3",
+            "negative_prompt": "blur", "user": "parity"}
+    r = post(live, "/v1/videos", form, input_reference=("frame.png", png.getvalue(), "image/png"))
+    assert r.status_code == 200, r.text
+    done = wait_for(job_once(live, r.json()["id"], lambda j: j["status"] not in ("queued", "in_progress")),
+                    "the job to finish", timeout=120)
+    assert VLLM_OMNI_JOB_FIELDS <= set(done) and done["status"] == "completed", done
+    assert (done["seconds"], done["num_frames"], done["size"]) == ("2", 9, "64x64")
+    assert done["expires_at"] == done["completed_at"] + SETTINGS.store_ttl_s
+    assert done["peak_memory_mb"] > 0 and done["stage_durations"]["inference"] == done["inference_time_s"]
+    content = live.client.get(f"/v1/videos/{done['id']}/content")
+    assert content.status_code == 200 and mp4_frames(content.content) == (9, 64, 64, 4.0)
+    assert json.loads(content.headers["x-stage-durations"]) == done["stage_durations"]
+    assert float(content.headers["x-peak-memory-mb"]) == done["peak_memory_mb"]
+    assert (content.headers["x-model"], content.headers["x-request-id"]) == ("tiny", done["id"])
+    for field, value in VLLM_OMNI_REFUSED.items():
+        refused = post(live, "/v1/videos", {**SMALL, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+
+
+def test_seconds_that_disagree_with_num_frames_are_refused(live):
+    """seconds and num_frames given together must name the same length: which one was meant?"""
+    r = post(live, "/v1/videos", {**SMALL, "seconds": "3", "fps": "4"})  # 13 frames, not SMALL's 9
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seconds", r.text
+
+
+def test_content_of_an_unfinished_or_failed_job_says_why(slow):
+    """The content of a running job is a 409 with a Retry-After; of a failed one, a 409 that carries its
+    error."""
+    job = post(slow, "/v1/videos", LONG).json()
+    wait_for(job_once(slow, job["id"], lambda j: j["progress"] > 0), f"job {job['id']} to make progress")
+    running = slow.client.get(f"/v1/videos/{job['id']}/content")
+    assert running.status_code == 409 and running.headers["retry-after"] == "1", running.text
+    redis.Redis.from_url(slow.redis_url).set(CANCEL_KEY + job["id"], 1)
+    wait_for(job_once(slow, job["id"], lambda j: j["status"] == "failed"), f"job {job['id']} to fail")
+    failed = slow.client.get(f"/v1/videos/{job['id']}/content")
+    assert failed.status_code == 409 and "cancelled" in failed.json()["error"]["message"], failed.text
+
+
+KEYS = ("key-alice-0123456789", "key-bob-9876543210")
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_api_keys_guard_v1_and_leave_health_open(redis_db, tmp_path):
+    """With API keys (one given as an option, one in a file with a comment), /v1 answers 401 in OpenAI's error
+    shape without a key or with a wrong one, and serves either key; /health and the schema stay open."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"# the team's key\n{KEYS[1]}\n\n")
+    with gateway(redis_db(), "keys", "--api-key", KEYS[0], "--api-keys-file", str(keys_file)) as gw:
+        for headers in ({}, auth("not-a-key"), {"Authorization": f"Basic {KEYS[0]}"}):
+            r = gw.client.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        assert post(gw, "/v1/videos", SMALL).status_code == 401
+        for key in KEYS:
+            assert gw.client.get("/v1/models", headers=auth(key)).status_code == 200
+        assert gw.client.get("/health").status_code == 503  # open: no replica, not 401
+        assert gw.client.get("/openapi.json").status_code == 200
+
+
+def test_each_api_key_sees_only_its_own_jobs(redis_db):
+    """A job made with one key is listed, read, fetched and deleted only with that key: to the other key it does
+    not exist (404), and its list is its own."""
+    with gateway(redis_db(), "owners", "--api-key", KEYS[0], "--api-key", KEYS[1]) as gw:
+        mine = gw.client.post("/v1/videos", files=multipart(SMALL), headers=auth(KEYS[0])).json()["id"]
+        theirs = gw.client.post("/v1/videos", files=multipart(SMALL), headers=auth(KEYS[1])).json()["id"]
+        for key, own, other in ((KEYS[0], mine, theirs), (KEYS[1], theirs, mine)):
+            assert [j["id"] for j in gw.client.get("/v1/videos", headers=auth(key)).json()["data"]] == [own]
+            assert gw.client.get(f"/v1/videos/{own}", headers=auth(key)).status_code == 200
+            for route in (f"/v1/videos/{other}", f"/v1/videos/{other}/content"):
+                assert gw.client.get(route, headers=auth(key)).status_code == 404
+            assert gw.client.delete(f"/v1/videos/{other}", headers=auth(key)).status_code == 404
+        assert gw.client.delete(f"/v1/videos/{mine}", headers=auth(KEYS[0])).json()["deleted"] is True
+        assert gw.client.get(f"/v1/videos/{theirs}", headers=auth(KEYS[1])).json()["status"] == "queued"
+
+
+def test_a_bad_api_key_stops_the_gateway_from_starting(redis_db, tmp_path):
+    """A key with a space in a keys file is refused at start (exit 2), naming the file and line, never the key."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("good-key-0123456789\nbad key\n")
+    run = subprocess.run([REPLICADP, "serve-http", "--api-keys-file", str(keys_file)], capture_output=True,
+                         text=True, env={**os.environ, "REDIS_URL": redis_db()}, timeout=60)
+    assert run.returncode == 2 and f"{keys_file}:2" in run.stderr and "bad key" not in run.stderr, run.stderr

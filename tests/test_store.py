@@ -1,12 +1,14 @@
 """The output store's pair (video + metadata) is all or nothing, and a request id never hands out another input's
 bytes: a write that fails leaves nothing a reader sees, a video left without its metadata is replaced, and the
-bytes fetched are checked against the result's hash."""
+bytes fetched are checked against the result's hash. Retention and DELETE remove pairs, and only the ones they
+should (the S3 store: test_s3.py)."""
 
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -14,7 +16,8 @@ import redis
 
 from client.api import _app_for
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting
+from helpers import SYNTHETIC, lasting, wait_for
+from test_http import form_of, gateway, job_once, multipart
 from replicadp_tasks.errors import StoreError
 from replicadp_tasks.store import DirStore, RedisStore, fetch_video
 
@@ -94,3 +97,84 @@ def test_replica_replaces_a_left_over_video(redis_db, tmp_path):
         group.stop()
     video = fetch_video(result["video_uri"], url, result["video_sha256"])
     assert hashlib.sha256(video).hexdigest() == result["video_sha256"] and video[4:8] == b"ftyp"
+
+
+def backdate(root, request_id: str, seconds: float) -> None:
+    """Make a stored pair look written `seconds` ago."""
+    for suffix in (".mp4", ".json"):
+        then = (root / f"{request_id}{suffix}").stat().st_mtime - seconds
+        os.utime(root / f"{request_id}{suffix}", (then, then))
+
+
+def test_dir_sweep_removes_only_what_is_older_than_the_cutoff(tmp_path):
+    """The folder's sweep removes pairs, MP4s left without their JSON and temp files of writes that died, written
+    before the cutoff; newer pairs stay, and so does what is not the store's."""
+    store, now = DirStore(tmp_path), time.time()
+    store.put("old", b"old", {})
+    store.put("new", b"new", {})
+    backdate(tmp_path, "old", 7200)
+    (tmp_path / "orphan.mp4").write_bytes(b"half")
+    (tmp_path / ".dead.mp4.abc").write_bytes(b"temp")
+    (tmp_path / "notes.txt").write_bytes(b"not ours")
+    for name in ("orphan.mp4", ".dead.mp4.abc", "notes.txt"):
+        os.utime(tmp_path / name, (now - 7200, now - 7200))
+    assert store.sweep(now - 3600) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.json", "new.mp4", "notes.txt"]
+    assert store.get_meta("old") is None and store.get_meta("new") is not None
+
+
+def test_dir_sweep_puts_back_what_a_put_wrote_since_the_listing(tmp_path):
+    """A file the sweep saw old but that a put replaced before the sweep came to it (an MP4 replacing a failed
+    write's) is put back, not removed, and the sweep leaves no file of its own behind."""
+    (tmp_path / "r1.mp4").write_bytes(b"written just now")
+    assert DirStore._remove_if_older(tmp_path / "r1.mp4", time.time() - 3600) is False
+    assert [p.name for p in tmp_path.iterdir()] == ["r1.mp4"]
+    assert (tmp_path / "r1.mp4").read_bytes() == b"written just now"
+
+
+def test_delete_removes_the_pair(tmp_path, redis_db):
+    """delete(request_id) removes a pair from the folder and from Redis; deleting what is not there is no error."""
+    DirStore(tmp_path).put("r1", b"one", {})
+    DirStore(tmp_path).delete("r1")
+    DirStore(tmp_path).delete("r1")
+    assert list(tmp_path.iterdir()) == []
+    client = redis.Redis.from_url(redis_db())
+    RedisStore(client, 0).put("r1", b"one", {})
+    assert client.ttl("replicadp:store:r1.mp4") == -1  # TTL 0: kept until deleted
+    RedisStore(client, 0).delete("r1")
+    assert client.keys("*") == []
+
+
+@pytest.fixture(scope="module")
+def dir_cluster(redis_db, tmp_path_factory):
+    """A folder holding a pair written two days ago and one written now, then one replica of the synthetic backend
+    storing there (REPLICADP_STORE_TTL: a day, the default) and a gateway in front of it."""
+    url, out = redis_db(), tmp_path_factory.mktemp("outputs")
+    DirStore(out).put("stale", b"stale", {})
+    DirStore(out).put("fresh", b"fresh", {})
+    backdate(out, "stale", 2 * 86400)
+    group = start_replicas(1, url, "dir-sweep", model=SYNTHETIC, OUTPUT_DIR=str(out))
+    try:
+        with gateway(url, "dir") as gw:
+            gw.out = out
+            yield gw
+    finally:
+        group.stop()
+
+
+def test_a_replica_sweeps_its_folder(dir_cluster):
+    """A real replica removes the pair older than REPLICADP_STORE_TTL from its folder (its main process sweeps as
+    it starts, then every STORE_SWEEP_S) and keeps the newer one."""
+    wait_for(lambda: not (dir_cluster.out / "stale.json").exists(), "the replica to sweep the stale pair")
+    assert sorted(p.name for p in dir_cluster.out.iterdir()) == ["fresh.json", "fresh.mp4"]
+
+
+def test_gateway_delete_removes_the_files(dir_cluster):
+    """DELETE /v1/videos/{id} of a completed job removes its MP4 and JSON from the folder."""
+    job = dir_cluster.client.post("/v1/videos", files=multipart(form_of(lasting(0.25, prompt="dir job")))).json()
+    done = wait_for(job_once(dir_cluster, job["id"], lambda j: j["status"] in ("completed", "failed")),
+                    "the job to end")
+    assert done["status"] == "completed" and done["video_url"] is None, done
+    assert (dir_cluster.out / f"{job['id']}.mp4").exists() and (dir_cluster.out / f"{job['id']}.json").exists()
+    assert dir_cluster.client.delete(f"/v1/videos/{job['id']}").json()["deleted"] is True
+    assert not (dir_cluster.out / f"{job['id']}.mp4").exists() and not (dir_cluster.out / f"{job['id']}.json").exists()

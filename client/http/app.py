@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from replicadp_tasks.errors import StoreError
 from replicadp_tasks.settings import SETTINGS
 
+from .auth import ApiKeys
 from .body import FORM_ALLOWANCE, BodyCheck
 from .errors import ErrorCode, error_response
 from .gateway import Gateway
@@ -49,13 +50,16 @@ async def redis_down(_, exc: Exception):
     return error_response(503, f"cannot reach Redis: {exc}", ErrorCode.REDIS_UNAVAILABLE)
 
 
-def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0) -> FastAPI:
+def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0, api_keys: list[str] = ()) -> FastAPI:
     """The gateway's ASGI app. `max_queue`: requests waiting in the shared queue past which new ones get 429;
-    `sync_timeout`: seconds a sync request waits for its video before a 504 (and the request is cancelled)."""
+    `sync_timeout`: seconds a sync request waits for its video before a 504 (and the request is cancelled);
+    `api_keys`: the bearer tokens `/v1` wants (none: the API is open)."""
     api = FastAPI(title="replicadp HTTP gateway", version="1", lifespan=lifespan,
                   description="vllm-omni's video API in front of replicadp's replicas; see docs/http.md.")
     api.state.gateway = Gateway(max_queue, sync_timeout)
     api.add_middleware(BodyCheck, limit=SETTINGS.max_image_bytes + FORM_ALLOWANCE)
+    if api_keys:  # added last, so outermost: a request without a key is refused before its body is read
+        api.add_middleware(ApiKeys, keys=list(api_keys))
     api.add_exception_handler(HTTPException, http_error)
     api.add_exception_handler(RequestValidationError, form_error)
     api.add_exception_handler(StoreError, store_error)

@@ -9,7 +9,8 @@ from starlette.exceptions import HTTPException
 
 from replicadp_tasks.errors import InvalidRequest
 
-HTTP_NAMES = {"image": "input_reference"}  # generate's argument -> the form field it comes from
+# generate's argument -> the form field it comes from
+HTTP_NAMES = {"image": "input_reference", "webhook": "webhook_url"}
 
 
 class ErrorCode(StrEnum):
@@ -20,6 +21,7 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     TOO_LARGE = "too_large"
     NOT_FOUND = "not_found"
+    INVALID_API_KEY = "invalid_api_key"  # 401: no key, or one that is not configured (OpenAI's code)
     NOT_COMPLETED = "not_completed"
     QUEUE_FULL = "queue_full"
     TIMEOUT = "timeout"

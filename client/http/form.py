@@ -34,6 +34,8 @@ class VideoForm:
     image: str | None  # input_reference, base64
     user: str | None
     priority: str | None
+    webhook_url: str | None
+    webhook_events: str | None  # comma-separated
 
 
 async def video_form(
@@ -43,7 +45,8 @@ async def video_form(
     width: Annotated[int | None, Form(description="Pixels; a multiple of the model's size multiple.")] = None,
     height: Annotated[int | None, Form()] = None,
     num_frames: Annotated[int | None, Form(description="Of the form 4k+1.")] = None,
-    seconds: Annotated[int | None, Form(description="Without num_frames: seconds x fps + 1 frames.")] = None,
+    seconds: Annotated[int | None, Form(description="Without num_frames: seconds x fps frames, made 4k+1 as Wan "
+                                                    "does (5 s at 24 fps: 121).")] = None,
     fps: Annotated[int | None, Form(description="Frame rate of the MP4 (default 24).")] = None,
     num_inference_steps: Annotated[int | None, Form()] = None,
     guidance_scale: Annotated[float | None, Form()] = None,
@@ -55,6 +58,10 @@ async def video_form(
                                                  "robin across users.")] = None,
     priority: Annotated[str | None, Form(description="interactive, normal (default) or batch: a replica takes "
                                                      "the highest priority waiting.")] = None,
+    webhook_url: Annotated[str | None, Form(description="An http(s) URL that is POSTed the job's events, signed "
+                                                        "(docs/http.md, Webhooks).")] = None,
+    webhook_events: Annotated[str | None, Form(description="Comma-separated: started, progress, completed, "
+                                                           "failed (default: completed,failed).")] = None,
 ) -> VideoForm:
     """The form as a FastAPI dependency (its parameters are the OpenAPI form schema)."""
     # A field this gateway does not know (vllm-omni's flow_shift, boundary_ratio, lora...) would be silently
@@ -81,10 +88,19 @@ async def video_form(
         image = base64.b64encode(data).decode()
     return VideoForm(prompt=prompt, size=size, width=width, height=height, num_frames=num_frames, seconds=seconds,
                      fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
-                     negative_prompt=negative_prompt, model=model, image=image, user=user, priority=priority)
+                     negative_prompt=negative_prompt, model=model, image=image, user=user, priority=priority,
+                     webhook_url=webhook_url, webhook_events=webhook_events)
 
 
 FORM_FIELDS = [name for name in inspect.signature(video_form).parameters if name != "request"]
+
+
+def frames_for(seconds: int, fps: int) -> int:
+    """The frames vllm-omni's videos have for `seconds`: it asks Wan for seconds x fps, and Wan's pipelines make
+    a count that is not of the form 4k+1 into (n // 4) x 4 + 1 (5 s at 24 fps: 121 frames, at 16 fps: 81). Here the
+    count is computed, and shown in the job's num_frames, before anything runs."""
+    n = seconds * fps
+    return n if n % 4 == 1 else n // 4 * 4 + 1
 
 
 def generate_kwargs(form: VideoForm) -> dict:
@@ -99,18 +115,21 @@ def generate_kwargs(form: VideoForm) -> dict:
         width, height = parsed
     num_frames = form.num_frames
     fps = form.fps if form.fps is not None else DEFAULTS["fps"]
+    if num_frames is not None and form.seconds is not None and 1 <= fps <= MAX_FPS:
+        if frames_for(form.seconds, fps) != num_frames:  # which length was meant?
+            raise InvalidRequest.of("seconds", f"conflicts with num_frames={num_frames} (at fps={fps} it is "
+                                               f"{frames_for(form.seconds, fps)} frames)", value=form.seconds)
     if num_frames is None and form.seconds is not None and 1 <= fps <= MAX_FPS:  # else validation names fps
-        # Wan counts both ends: 5 s at 24 fps is 121 frames, at 16 fps 81. seconds x fps alone is never of
-        # the form 4k+1 at a frame rate divisible by 4, and frames are never rounded here.
-        num_frames = form.seconds * fps + 1
         if form.seconds < 1:
             raise InvalidRequest.of("seconds", "must be at least 1", value=form.seconds)
-        if (num_frames - 1) % 4 or num_frames > MAX_FRAMES:
-            raise InvalidRequest.of("seconds", f"at fps={fps} that is {num_frames} frames (seconds x fps + 1), "
-                                               f"which must be of the form 4k+1 and at most {MAX_FRAMES}; "
-                                               "or pass num_frames", value=form.seconds)
+        num_frames = frames_for(form.seconds, fps)
+        if num_frames > MAX_FRAMES:
+            raise InvalidRequest.of("seconds", f"at fps={fps} that is {num_frames} frames, more than {MAX_FRAMES}",
+                                    value=form.seconds)
     kwargs = {"prompt": form.prompt, "negative_prompt": form.negative_prompt, "seed": form.seed, "height": height,
               "width": width, "num_frames": num_frames, "num_inference_steps": form.num_inference_steps,
               "guidance_scale": form.guidance_scale, "fps": form.fps, "image": form.image, "user": form.user,
-              "priority": form.priority}
+              "priority": form.priority, "webhook": form.webhook_url,
+              "webhook_events": [e.strip() for e in form.webhook_events.split(",")]
+              if form.webhook_events is not None else None}
     return {k: v for k, v in kwargs.items() if v is not None}

@@ -117,8 +117,10 @@ class Gateway:
         multiple = max((int(r.get("size_multiple") or 16) for r in live), default=16)
         try:
             kwargs = generate_kwargs(form)
-            req = validate_request(kwargs, size_multiple=multiple, max_prompt_chars=SETTINGS.max_prompt_chars,
-                                   max_work=SETTINGS.max_work)
+            # In a thread: a webhook's host is resolved to check its addresses (fetch.target), which may take
+            # as long as the resolver does.
+            req = await asyncio.to_thread(validate_request, kwargs, size_multiple=multiple,
+                                          max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
         except InvalidRequest as exc:
             raise invalid(exc) from None
         served = await self.served_models()
@@ -127,7 +129,8 @@ class Gateway:
                                code=ErrorCode.MODEL_NOT_FOUND, param="model")
         task_id = str(uuid.uuid4())
         await self.admission.reserve(task_id)
-        seconds = form.seconds if form.seconds is not None else f"{req.num_frames / req.fps:g}"
+        # OpenAI's and vllm-omni's `seconds` is whole seconds; num_frames and fps say the exact length.
+        seconds = form.seconds if form.seconds is not None else max(1, round(req.num_frames / req.fps))
         job = {"model": form.model or served[0], "prompt": req.prompt, "size": f"{req.width}x{req.height}",
                "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps}
         return Admitted(task_id, kwargs, job)
@@ -184,36 +187,38 @@ class Gateway:
 
     # --- jobs (async requests) -----------------------------------------------------------------------------
 
-    async def add_job(self, admitted: Admitted) -> dict:
-        """Record an admitted request as a job, before it is sent (a GET right after the POST finds it); returns
-        the job record."""
+    async def add_job(self, admitted: Admitted, owner: str | None) -> dict:
+        """Record an admitted request as a job of `owner` (its API key's id, None without keys), before it is sent
+        (a GET right after the POST finds it); returns the job record."""
         now = time.time()
-        record = {"id": admitted.task_id, "created_at": int(now), **admitted.job}
+        record = {"id": admitted.task_id, "created_at": int(now), **admitted.job, "owner": owner}
         async with self.redis.pipeline() as pipe:
             pipe.set(JOB_KEY + admitted.task_id, json.dumps(record), ex=SETTINGS.result_ttl_s)
-            pipe.zadd(JOBS_KEY, {admitted.task_id: now})
-            pipe.zremrangebyscore(JOBS_KEY, 0, now - SETTINGS.result_ttl_s)
+            for key in {JOBS_KEY, jobs_of(owner)}:
+                pipe.zadd(key, {admitted.task_id: now})
+                pipe.zremrangebyscore(key, 0, now - SETTINGS.result_ttl_s)
             await pipe.execute()
         return record
 
-    async def forget(self, video_id: str) -> None:
+    async def forget(self, record: dict) -> None:
         async with self.redis.pipeline() as pipe:
-            pipe.delete(JOB_KEY + video_id)
-            pipe.zrem(JOBS_KEY, video_id)
+            pipe.delete(JOB_KEY + record["id"])
+            for key in {JOBS_KEY, jobs_of(record.get("owner"))}:
+                pipe.zrem(key, record["id"])
             await pipe.execute()
 
-    async def job_ids(self, limit: int, after: str | None, order: JobOrder) -> list[str]:
-        """Up to `limit` + 1 job ids in creation order (`desc`: newest first), from the one after `after`: the
-        one past the page says whether there is more."""
-        start = 0
+    async def job_ids(self, limit: int, after: str | None, order: JobOrder, owner: str | None) -> list[str]:
+        """Up to `limit` + 1 ids of `owner`'s jobs (every job without API keys) in creation order (`desc`: newest
+        first), from the one after `after`: the one past the page says whether there is more."""
+        jobs, start = jobs_of(owner), 0
         if after is not None:
-            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(JOBS_KEY, after)
+            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(jobs, after)
             if rank is None:
                 raise GatewayError(400, f"after={after!r}: no such video job", code=ErrorCode.INVALID_REQUEST,
                                    param="after")
             start = rank + 1
         read = self.redis.zrevrange if order == "desc" else self.redis.zrange
-        return [i.decode() for i in await read(JOBS_KEY, start, start + limit)]
+        return [i.decode() for i in await read(jobs, start, start + limit)]
 
     async def job_records(self, ids: list[str]) -> list[tuple[dict, dict | None]]:
         """(record, result meta) of each job that still has a record."""
@@ -225,11 +230,17 @@ class Gateway:
         return [(json.loads(rec), backend.decode_result(meta) if meta else None)
                 for rec, meta in zip(records, metas) if rec]
 
-    async def job(self, video_id: str) -> tuple[dict, dict | None]:
-        """(record, result meta) of one job; 404 without a record."""
+    async def job(self, video_id: str, owner: str | None) -> tuple[dict, dict | None]:
+        """(record, result meta) of one job; 404 without a record, or when another API key made it (as if it did
+        not exist: a key learns nothing of the others' jobs)."""
         found = await self.job_records([video_id])
-        if not found:
+        if not found or (owner is not None and found[0][0].get("owner") != owner):
             raise GatewayError(404, f"video_id={video_id!r}: no such video job (unknown, deleted, or older than "
                                     f"REPLICADP_RESULT_TTL={SETTINGS.result_ttl_s} s)", code=ErrorCode.NOT_FOUND,
                                param="video_id")
         return found[0]
+
+
+def jobs_of(owner: str | None) -> str:
+    """The sorted set of `owner`'s jobs; every job's without API keys."""
+    return JOBS_KEY if owner is None else f"{JOBS_KEY}:{owner}"

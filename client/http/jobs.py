@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 from fastapi.responses import Response
 
 from replicadp_tasks.records import READY, RequestState, Result
+from replicadp_tasks.settings import SETTINGS
 
+from ..api import with_fresh_url
 from .errors import failure
 from .schema import VideoError, VideoJob
 
@@ -27,6 +30,11 @@ def job_view(record: dict, meta: dict | None) -> VideoJob:
     if status == RequestState.SUCCESS:
         job.status, job.progress, job.completed_at = "completed", 100, date_done(meta)
         job.replica, job.inference_time_s = info["replica"], info["timings"]["inference_s"]
+        job.stage_durations, job.peak_memory_mb = stage_durations(info), peak_memory_mb(info)
+        signed = with_fresh_url(info)
+        job.video_url, job.video_url_expires_at = signed.get("video_url"), signed.get("video_url_expires_at")
+        if SETTINGS.store_ttl_s and job.completed_at is not None:
+            job.expires_at = job.completed_at + SETTINGS.store_ttl_s
     elif status in READY:
         error = failure(meta)
         job.status, job.completed_at = "failed", date_done(meta)
@@ -40,9 +48,22 @@ def job_view(record: dict, meta: dict | None) -> VideoJob:
     return job
 
 
+def stage_durations(result: Result) -> dict[str, float]:
+    """vllm-omni's stage_durations from the Result's timings: seconds per stage, the ones measured."""
+    return {name.removesuffix("_s"): value for name, value in result["timings"].items() if value is not None}
+
+
+def peak_memory_mb(result: Result) -> float | None:
+    gib = result.get("peak_memory_gib")
+    return round(gib * 1024, 1) if gib is not None else None
+
+
 def video_response(result: Result, video: bytes) -> Response:
     """The MP4 bytes exactly as the replica stored them (bit-exact encoding: the same input gives the same
     bytes on any replica), with vllm-omni's headers, from the request's Result."""
-    return Response(video, media_type="video/mp4", headers={
-        "X-Request-Id": result["request_id"], "X-Model": result["model"], "X-Replica": result["replica"],
-        "X-Inference-Time-S": str(result["timings"]["inference_s"])})
+    headers = {"X-Request-Id": result["request_id"], "X-Model": result["model"], "X-Replica": result["replica"],
+               "X-Inference-Time-S": str(result["timings"]["inference_s"]),
+               "X-Stage-Durations": json.dumps(stage_durations(result), separators=(",", ":"))}
+    if peak_memory_mb(result) is not None:  # unmeasured (the synthetic backend): no header rather than a 0
+        headers["X-Peak-Memory-MB"] = str(peak_memory_mb(result))
+    return Response(video, media_type="video/mp4", headers=headers)

@@ -11,7 +11,7 @@ from kombu.exceptions import OperationalError
 
 from replicadp_tasks.records import RequestState
 
-from ..api import cancel_request, fetch_video
+from ..api import cancel_request, fetch_video, remove_video
 from .errors import ErrorCode, GatewayError, failure
 from .form import VideoForm, video_form
 from .gateway import Gateway
@@ -25,7 +25,13 @@ def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+def owner(request: Request) -> str | None:
+    """The id of the API key the request came with (auth.ApiKeys); None when the gateway has no keys."""
+    return getattr(request.state, "owner", None)
+
+
 GatewayDep = Annotated[Gateway, Depends(gateway)]
+OwnerDep = Annotated[str | None, Depends(owner)]
 VideoFormDep = Annotated[VideoForm, Depends(video_form)]
 
 
@@ -41,53 +47,63 @@ async def create_video_sync(request: Request, form: VideoFormDep, gw: GatewayDep
 
 
 @router.post("/v1/videos", response_model=VideoJob, responses=ERRORS)
-async def create_video(form: VideoFormDep, gw: GatewayDep):
+async def create_video(form: VideoFormDep, gw: GatewayDep, who: OwnerDep):
     """Queue one video; answers at once with the job (poll GET /v1/videos/{id})."""
     admitted = await gw.admit(form)
-    record = await gw.add_job(admitted)
+    record = await gw.add_job(admitted, who)
     try:
         await gw.send(admitted)
     except OperationalError:  # the broker is down: no job was made (503), so none must be listed
-        await gw.forget(admitted.task_id)
+        await gw.forget(record)
         raise
     return job_view(record, None)
 
 
 @router.get("/v1/videos", response_model=VideoList, responses=ERRORS)
-async def list_videos(gw: GatewayDep, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
-                      order: JobOrder = "desc"):
-    """Jobs created through any gateway of this Redis, newest first (order=asc: oldest first)."""
-    ids = await gw.job_ids(limit, after, order)
+async def list_videos(gw: GatewayDep, who: OwnerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                      after: str | None = None, order: JobOrder = "desc"):
+    """Jobs created through any gateway of this Redis (with API keys: with this key), newest first (order=asc:
+    oldest first)."""
+    ids = await gw.job_ids(limit, after, order, who)
     jobs = [job_view(record, meta) for record, meta in await gw.job_records(ids[:limit])]
     return VideoList(data=jobs, first_id=jobs[0].id if jobs else None, last_id=jobs[-1].id if jobs else None,
                      has_more=len(ids) > limit)
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=ERRORS)
-async def get_video(video_id: str, gw: GatewayDep):
+async def get_video(video_id: str, gw: GatewayDep, who: OwnerDep):
     """One job: status, progress (0-100, from the denoising step), error."""
-    return job_view(*await gw.job(video_id))
+    return job_view(*await gw.job(video_id, who))
 
 
 @router.get("/v1/videos/{video_id}/content", response_class=Response, responses={
     200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."}, **ERRORS})
-async def get_video_content(video_id: str, gw: GatewayDep):
+async def get_video_content(video_id: str, gw: GatewayDep, who: OwnerDep):
     """The MP4 of a completed job, the same bytes a sync request for the same input answers."""
-    record, meta = await gw.job(video_id)
+    record, meta = await gw.job(video_id, who)
     job = job_view(record, meta)
+    if job.status == "failed":
+        raise GatewayError(409, f"video_id={video_id!r}: the job failed, it has no video ({job.error.code}: "
+                                f"{job.error.message})", code=ErrorCode.NOT_COMPLETED, param="video_id")
     if job.status != "completed":
-        raise GatewayError(409, f"video_id={video_id!r}: the job is {job.status}, not completed",
-                           code=ErrorCode.NOT_COMPLETED, param="video_id")
+        raise GatewayError(409, f"video_id={video_id!r}: the job is {job.status}, not completed; poll GET "
+                                f"/v1/videos/{video_id} until it is", code=ErrorCode.NOT_COMPLETED,
+                           param="video_id", headers={"Retry-After": "1"})
     return video_response(meta["result"], await asyncio.to_thread(fetch_video, meta["result"]))
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
-async def delete_video(video_id: str, gw: GatewayDep):
+async def delete_video(video_id: str, gw: GatewayDep, who: OwnerDep):
     """Cancel the job if it is queued (it never runs) or running (it stops at its next denoising step), and
-    forget it. A completed job's video stays in the output store."""
-    if job_view(*await gw.job(video_id)).status in ("queued", "in_progress"):
+    forget it. A completed job's video and metadata are removed from the output store first (its request_id is
+    the job id: the gateway passes none of its own), so that a store that fails (502) leaves a job to delete again."""
+    record, meta = await gw.job(video_id, who)
+    status = job_view(record, meta).status
+    if status in ("queued", "in_progress"):
         await asyncio.to_thread(cancel_request, video_id)
-    await gw.forget(video_id)
+    elif status == "completed":
+        await asyncio.to_thread(remove_video, meta["result"])
+    await gw.forget(record)
     return VideoDeleted(id=video_id, deleted=True)
 
 

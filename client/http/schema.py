@@ -27,10 +27,16 @@ class VideoJob(BaseModel):
     num_frames: int
     fps: int
     prompt: str
+    expires_at: int | None = None  # when the store's retention (REPLICADP_STORE_TTL) removes the video
     error: VideoError | None = None
     replica: str | None = None
     inference_time_s: float | None = None
+    stage_durations: dict[str, float] | None = None  # seconds: queued, inference, dit, encode, total
+    peak_memory_mb: float | None = None  # the replica's peak (CUDA allocator, or max RSS on CPU)
     media_type: Literal["video/mp4"] = "video/mp4"
+    # REPLICADP_STORE=s3: a presigned GET URL of the MP4, made as the job is read, and when it expires (unix s)
+    video_url: str | None = None
+    video_url_expires_at: int | None = None
 
 
 JobOrder = Literal["asc", "desc"]  # GET /v1/videos?order=: by creation time
@@ -80,4 +86,4 @@ class ErrorBody(BaseModel):  # OpenAI's error object: every error answer (no doc
 
 
 # The error answers a route may give, for its OpenAPI `responses`.
-ERRORS = {code: {"model": ErrorBody} for code in (400, 404, 409, 413, 422, 429, 502, 503, 504)}
+ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 502, 503, 504)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -42,15 +43,18 @@ class Replicas:
         if threads:
             self.env["THREADS_PER_REPLICA"] = str(threads)
         self.proc: subprocess.Popen | None = None
+        self.log_start = 0  # the log's size when the launcher last started: what it wrote since is past it
 
     @property
     def names(self) -> list[str]:
         return replica_names(self.n)
 
     def start(self, timeout: float = 300.0) -> "Replicas":
-        """Start the replicas and return once each holds its model and consumes the queue."""
+        """Start the replicas and return once each holds its model and consumes the queue; RuntimeError as soon as
+        one exits before that (a bad model spec, a misconfigured broker: the launcher would restart it forever)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self.log_start = log.tell()
             # Its own session: stop() can end the launcher and every replica as one group.
             self.proc = subprocess.Popen(["bash", str(LAUNCHER), "--loglevel", "INFO"], env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -69,9 +73,17 @@ class Replicas:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker_launch.sh exited ({self.proc.returncode}); see {self.log_path}:\n"
                                    + tail(self.log_path))
+            if self.exited_early():
+                raise RuntimeError(f"a replica exited before it served; see {self.log_path}:\n" + tail(self.log_path))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not ready after {timeout:.0f} s; see {self.log_path}:\n" + tail(self.log_path))
             time.sleep(0.2)
+
+    def exited_early(self) -> bool:
+        """Whether the launcher has reported a replica's exit since this start (worker_launch.sh's restart line)."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_start)
+            return re.search(rb"^worker_launch\.sh: replica\d+ exited with status", log.read(), re.M) is not None
 
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM (replicas finish their running request), then SIGKILL the group if it lingers."""
@@ -134,6 +146,41 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 # --- `replicadp up` / `replicadp down`: the same, detached, with the PIDs in STATE_FILE ---------------
+
+def visible_gpus() -> list[str]:
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES when it is set (empty: none), else every GPU that
+    nvidia-smi lists, as worker_launch.sh picks them (not torch: importing it costs `up` seconds)."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        run = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return run.stdout.split() if run.returncode == 0 else []
+
+
+def plan(devices: str, replicas: int | None, gpus_per_replica: int, visible: list[str]) -> tuple[str, int]:
+    """worker_launch.sh's DEVICES and NUM_REPLICAS for `up --devices --replicas` (None: one replica per
+    `gpus_per_replica` GPUs, or 1 on the CPU). `auto`: the first GPUs of `visible` that the replicas need, or the
+    CPU when none is visible. ValueError names the option that does not fit."""
+    if replicas is not None and replicas < 1:
+        raise ValueError(f"--replicas {replicas}: must be at least 1")
+    if devices == "auto":
+        if not visible:
+            return "cpu", replicas or 1
+        n = replicas or len(visible) // gpus_per_replica
+        if n < 1 or n * gpus_per_replica > len(visible):
+            raise ValueError(f"--devices auto: {len(visible)} GPU(s) visible ({','.join(visible)}), too few for "
+                             f"{max(n, 1)} replica(s) of {gpus_per_replica} GPU(s)")
+        return ",".join(visible[:n * gpus_per_replica]), n
+    if devices == "cpu":
+        return "cpu", replicas or 1
+    ids = devices.split(",")
+    if not all(i.isascii() and i.isdigit() for i in ids):
+        raise ValueError(f"--devices {devices!r}: expected auto, cpu or GPU ids like 0,1,2,3")
+    return devices, replicas or max(1, len(ids) // gpus_per_replica)
+
 
 def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: int, timeout: float) -> dict:
     if STATE_FILE.exists():

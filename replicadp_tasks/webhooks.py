@@ -1,0 +1,338 @@
+"""Webhooks: a request that names a URL (`webhook`) is told of its events there (`webhook_events`: started,
+progress, completed, failed; by default completed and failed), each a signed JSON POST.
+
+The replica never waits on a receiver: the pool child only queues an event in Redis (durable across its own
+death), and the senders, threads of every replica's main process, take the events that are due and POST them.
+An event is delivered at least once: a sender that takes one makes it due again CLAIM_S later, so that if it dies
+sending, another sender takes it; under normal operation an event is sent by one sender only, and each event id
+is queued once (a redelivered request does not queue its events again). A receiver that answers 429 or 5xx, or
+none at all, is tried again with exponential backoff, ATTEMPTS times in all; any other answer is final.
+
+A webhook may reach only what an image URL may (fetch.py: public addresses, or REPLICADP_FETCH_ALLOW): checked
+when the request is validated, and again at each send, connecting only to an address just checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NotRequired, TypedDict
+
+import redis
+
+from . import fetch
+from .errors import InvalidRequest
+from .keys import STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_SENT_KEY
+from .records import Result
+from .settings import SETTINGS
+
+log = logging.getLogger("replicadp")
+
+
+class Event(StrEnum):
+    STARTED = "started"  # the delivery holds the request's fence and starts computing
+    PROGRESS = "progress"  # a denoising step, as often as Progress is reported (tasks.PROGRESS_EVERY_S)
+    COMPLETED = "completed"  # the video is stored (or was: a request_id's stored result)
+    FAILED = "failed"  # the request failed for good (a requeued request has not)
+
+
+EVENTS = frozenset(e.value for e in Event)
+DEFAULT_EVENTS = frozenset({Event.COMPLETED, Event.FAILED})
+MAX_URL_CHARS = 2048  # what web servers and proxies commonly accept; room for a token in the query
+# Retries: 1, 2, 4, 8 s apart (each capped at MAX_DELAY_S): a receiver restarting is back within them.
+ATTEMPTS = 5
+BASE_DELAY_S = 1.0
+MAX_DELAY_S = 60.0
+# One attempt, once connected (TLS, the request, the answer's status line and headers): a receiver acknowledges
+# and works afterwards; a slow one must not hold a sender. Each connect has the same bound.
+SEND_TIMEOUT_S = 5.0
+# A taken event is due again this much later: well past an attempt (connects, SEND_TIMEOUT_S, a DNS lookup),
+# so that no two senders send it, and soon enough after a sender's death.
+CLAIM_S = 60.0
+SENDERS = 2  # threads per replica: one receiver that times out does not hold back the events of the others
+POLL_S = 0.5  # how often an idle sender looks for due events: a Redis script each time
+MAX_ERROR_CHARS = 1000  # of a failure's message in its event
+
+SIGNATURE_HEADER = "X-Replicadp-Signature"  # t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">
+EVENT_ID_HEADER = "X-Replicadp-Event-Id"  # the payload's id: the same on every attempt, for de-duplication
+EVENT_HEADER = "X-Replicadp-Event"
+
+
+@dataclass(frozen=True)
+class Webhook:
+    """Where a request's events go, and which ones."""
+
+    url: str
+    events: frozenset[Event]
+
+
+class Failure(TypedDict):
+    type: str  # the exception's class: InvalidRequest, RequestCancelled, PoisonRequest, SoftTimeLimitExceeded, ...
+    message: str
+
+
+class Payload(TypedDict):
+    """The JSON body of a webhook POST."""
+
+    id: str  # the event id: <task id>.<event>, and .<step> for progress
+    event: Event
+    request_id: str  # the caller's request_id, else the task id
+    task_id: str  # Celery's task id: the HTTP gateway's job id
+    time: float  # when it happened (unix seconds)
+    replica: str | None
+    step: NotRequired[int]  # progress
+    total_steps: NotRequired[int]  # progress
+    result: NotRequired[Result]  # completed: the request's metadata, as generate returns it
+    error: NotRequired[Failure]  # failed
+
+
+class Queued(TypedDict):
+    """An event waiting in Redis (WEBHOOK_EVENTS_KEY) for a sender."""
+
+    url: str
+    payload: Payload
+    attempts: int  # made so far
+
+
+# Queue an event unless its id was queued for this task before (a redelivery), due now by Redis's clock.
+_QUEUE = ("if redis.call('hsetnx', KEYS[1], ARGV[1], 1) == 0 then return 0 end "
+          "redis.call('expire', KEYS[1], ARGV[3]) local t = redis.call('time') "
+          "redis.call('hset', KEYS[3], ARGV[1], ARGV[2]) "
+          "redis.call('zadd', KEYS[2], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1]) return 1")
+# Take the first due event: it stays queued, due again ARGV[1] seconds later (unless sent or retried by then).
+_CLAIM = ("local t = redis.call('time') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6 "
+          "local due = redis.call('zrangebyscore', KEYS[1], '-inf', now, 'limit', 0, 1) "
+          "if #due == 0 then return false end "
+          "local queued = redis.call('hget', KEYS[2], due[1]) "
+          "if not queued then redis.call('zrem', KEYS[1], due[1]) return false end "
+          "redis.call('zadd', KEYS[1], now + tonumber(ARGV[1]), due[1]) return {due[1], queued}")
+# Try again ARGV[3] seconds from now, unless it is gone (another sender, which took it later, finished it).
+_RETRY = ("if not redis.call('zscore', KEYS[1], ARGV[1]) then return 0 end local t = redis.call('time') "
+          "redis.call('zadd', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3]), ARGV[1]) "
+          "redis.call('hset', KEYS[2], ARGV[1], ARGV[2]) return 1")
+
+
+def available() -> bool:
+    """Whether this process may queue webhook events: switched on, and a secret to sign them with."""
+    return SETTINGS.webhooks and bool(SETTINGS.webhook_secret)
+
+
+def check_webhook(url, events, *, policy: bool) -> Webhook | None:
+    """The webhook a request names (None: none): `url` (the `webhook` field) an http(s) URL of at most
+    MAX_URL_CHARS, `events` (`webhook_events`) a list of Event values, or None for DEFAULT_EVENTS. With `policy`,
+    also what this deployment allows: webhooks on (REPLICADP_WEBHOOKS), a secret (REPLICADP_WEBHOOK_SECRET), and
+    every address of the host public or in REPLICADP_FETCH_ALLOW (a DNS lookup). Raises InvalidRequest naming
+    the field and the value."""
+    if url is None:
+        if events is not None:
+            raise InvalidRequest.of("webhook_events", "given without a webhook", value=events)
+        return None
+    if not isinstance(url, str):
+        raise InvalidRequest.of("webhook", f"must be a string (an http(s) URL), got {type(url).__name__}", value=url)
+    if len(url) > MAX_URL_CHARS:
+        raise InvalidRequest.of("webhook", f"is {len(url)} characters long; the limit is {MAX_URL_CHARS}",
+                                value=url)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise InvalidRequest.of("webhook", "scheme not allowed; only http and https", value=url)
+    if not url.isascii() or any(c.isspace() or not c.isprintable() for c in url):
+        raise InvalidRequest.of("webhook", "must be ASCII without spaces or control characters (percent-encode "
+                                           "the path, punycode the host)", value=url)
+    try:
+        valid = bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number, or out of range
+        valid = False
+    if not valid:
+        raise InvalidRequest.of("webhook", "not a valid URL", value=url)
+    if parts.username is not None:
+        raise InvalidRequest.of("webhook", "credentials in the URL are not sent; the receiver verifies the "
+                                           f"{SIGNATURE_HEADER} header instead", value=url)
+    if events is None:
+        chosen = DEFAULT_EVENTS
+    elif isinstance(events, (list, tuple)) and events and all(isinstance(e, str) and e in EVENTS for e in events):
+        chosen = frozenset(Event(e) for e in events)
+    else:
+        raise InvalidRequest.of("webhook_events", f"must be a non-empty list of {', '.join(Event)}", value=events)
+    if policy:
+        if not SETTINGS.webhooks:
+            raise InvalidRequest.of("webhook", "webhooks are switched off here (REPLICADP_WEBHOOKS=0)", value=url)
+        if not SETTINGS.webhook_secret:
+            raise InvalidRequest.of("webhook", "webhooks are not set up here: they are signed, and "
+                                               "REPLICADP_WEBHOOK_SECRET is not set", value=url)
+        fetch.target(url, SETTINGS.fetch_allow, lambda why: InvalidRequest.of("webhook", why, value=url))
+    return Webhook(url, chosen)
+
+
+def event_id(task_id: str, event: Event, step: int | None = None) -> str:
+    return f"{task_id}.{event}" if step is None else f"{task_id}.{event}.{step}"
+
+
+def emit(client: redis.Redis, webhook: Webhook | None, event: Event, *, task_id: str, request_id: str,
+         replica: str | None, **fields) -> None:
+    """Queue `event` (with its `fields`: Payload's) for `webhook`, if it asks for it and it was not queued for
+    this task before. A Redis error is logged, never raised: telling the caller must not fail the request."""
+    if webhook is None or event not in webhook.events:
+        return
+    eid = event_id(task_id, event, fields.get("step"))
+    payload = Payload(id=eid, event=event, request_id=request_id, task_id=task_id, time=time.time(),
+                      replica=replica, **fields)
+    queued = Queued(url=webhook.url, payload=payload, attempts=0)
+    try:
+        client.eval(_QUEUE, 3, WEBHOOK_SENT_KEY + task_id, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, eid,
+                    json.dumps(queued, default=repr), SETTINGS.result_ttl_s)
+    except redis.RedisError as exc:
+        log.warning("webhook: cannot queue event %s: %s", eid, exc)
+
+
+def emit_failure(client: redis.Redis, kwargs: dict, task_id: str, replica: str | None, exc: BaseException) -> None:
+    """Queue the `failed` event of a request that failed for good, if it names a webhook that passes the checks
+    (a request may fail before its validation: cancelled or poison)."""
+    if not available():
+        return
+    try:
+        webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=True)
+    except InvalidRequest:  # the webhook itself was what failed it, or may not be reached
+        return
+    request_id = kwargs.get("request_id")
+    emit(client, webhook, Event.FAILED, task_id=task_id,
+         request_id=request_id if isinstance(request_id, str) else task_id, replica=replica,
+         error=Failure(type=type(exc).__name__, message=str(exc)[:MAX_ERROR_CHARS]))
+
+
+def signature(secret: str, timestamp: int, body: bytes) -> str:
+    """The v1 signature: hex HMAC-SHA256, keyed by the secret, of `<timestamp>.<body>`."""
+    return hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+
+
+class Outcome(StrEnum):
+    DELIVERED = "delivered"  # 2xx
+    RETRY = "retry"  # no answer, 429 or 5xx, or the host did not resolve: try again later
+    FINAL = "final"  # any other answer, or the address is not allowed: not tried again
+
+
+class _NotSent(Exception):
+    """Raised when an attempt reached no receiver; `outcome` says whether a later one may."""
+
+    def __init__(self, why: str, outcome: Outcome):
+        super().__init__(why)
+        self.outcome = outcome
+
+
+def post(url: str, body: bytes, headers: dict, allow_nets) -> tuple[Outcome, str]:
+    """One attempt: POST `body` to `url`, connecting only to an address checked now (the host's addresses may
+    have changed since the request was validated). (outcome, what happened)."""
+    try:
+        to = fetch.target(url, allow_nets, lambda why: _NotSent(why, Outcome.FINAL),
+                          unresolved=lambda why: _NotSent(why, Outcome.RETRY))
+        status = _exchange(to, body, headers)
+    except _NotSent as exc:
+        return exc.outcome, str(exc)
+    except Exception as exc:  # whatever the remote side did: refused, reset, timed out, TLS, not HTTP
+        return Outcome.RETRY, f"no valid HTTP answer ({exc!r})"
+    if 200 <= status < 300:
+        return Outcome.DELIVERED, f"HTTP status {status}"
+    return (Outcome.RETRY if status == 429 or status >= 500 else Outcome.FINAL), f"HTTP status {status}"
+
+
+def _exchange(to: fetch.Target, body: bytes, headers: dict) -> int:
+    """The answer's status to a POST of `body`, once connected within SEND_TIMEOUT_S in all."""
+    sock = _connect(to.infos)
+    guard = sock.dup()  # shut down at the deadline, which stops the exchange even once wrapped in TLS
+    deadline = threading.Timer(SEND_TIMEOUT_S, fetch.shut, (guard,))
+    deadline.start()
+    try:
+        if to.parts.scheme == "https":  # verified against the URL's host name, not looked up again
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=to.ascii_host)
+        conn = http.client.HTTPConnection(to.ascii_host, to.port)
+        conn.sock = sock  # connected to the checked address: http.client must not connect by itself
+        conn.request("POST", to.path, body=body, headers={
+            "Host": to.host_header, "User-Agent": "replicadp", "Content-Type": "application/json",
+            "Connection": "close", **headers})
+        return conn.getresponse().status
+    finally:
+        deadline.cancel()
+        guard.close()
+        sock.close()
+
+
+def _connect(infos) -> socket.socket:
+    """A socket connected to one of the checked addresses."""
+    error = None
+    for family, type_, proto, _, sockaddr in infos:
+        sock = socket.socket(family, type_, proto)
+        sock.settimeout(SEND_TIMEOUT_S)
+        try:
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            error = exc
+            sock.close()
+    raise error
+
+
+def backoff(attempts: int) -> float:
+    """Seconds before the next attempt, after `attempts` failed ones."""
+    return min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (attempts - 1))
+
+
+class Sender:
+    """In a replica's main process: SENDERS threads that take due events and send them."""
+
+    def __init__(self, url: str, secret: str, allow_nets: tuple):
+        self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.secret, self.allow_nets = secret, allow_nets
+
+    def start(self) -> None:
+        for n in range(SENDERS):
+            threading.Thread(target=self.run, name=f"replicadp-webhook-{n}", daemon=True).start()
+
+    def run(self) -> None:
+        failing = False
+        while True:
+            try:
+                claimed = self.redis.eval(_CLAIM, 2, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, CLAIM_S)
+                failing = False
+            except redis.RedisError as exc:
+                if not failing:  # once per outage
+                    log.warning("webhook: cannot reach Redis (%s); sending resumes when it is back", exc)
+                failing = True
+                claimed = None
+            if claimed is None:
+                time.sleep(POLL_S)
+                continue
+            try:
+                self.send(claimed[0].decode(), json.loads(claimed[1]))
+            except Exception:  # never let a sender die with a bug in one event; it is due again after CLAIM_S
+                log.exception("webhook: sending failed")
+
+    def send(self, eid: str, queued: Queued) -> None:
+        """One attempt at a taken event, and what follows: done, due again later, or given up."""
+        body = json.dumps(queued["payload"], separators=(",", ":")).encode()
+        now = int(time.time())
+        outcome, why = post(queued["url"], body, {
+            EVENT_ID_HEADER: eid, EVENT_HEADER: queued["payload"]["event"],
+            SIGNATURE_HEADER: f"t={now},v1={signature(self.secret, now, body)}"}, self.allow_nets)
+        attempts = queued["attempts"] + 1
+        if outcome == Outcome.RETRY and attempts < ATTEMPTS:
+            self.redis.eval(_RETRY, 2, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, eid,
+                            json.dumps({**queued, "attempts": attempts}), backoff(attempts))
+            return
+        pipe = self.redis.pipeline()
+        pipe.zrem(WEBHOOK_DUE_KEY, eid)
+        pipe.hdel(WEBHOOK_EVENTS_KEY, eid)
+        if outcome != Outcome.DELIVERED:
+            pipe.hincrby(STATS_KEY, "webhook_give_ups", 1)
+            # The host only: a URL's path or query may hold the receiver's token.
+            log.warning("webhook: gave up on event %s to %s after %d attempt(s): %s", eid,
+                        urllib.parse.urlsplit(queued["url"]).netloc, attempts, why)
+        pipe.execute()

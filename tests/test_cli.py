@@ -1,0 +1,254 @@
+"""The `replicadp` command's conventions, run as a user runs it against real replicas: `--version`, one-shot
+`generate` / `get` / `cancel`, `--json -` on stdout, exit statuses, `up`'s defaults; and a replica that refuses
+to start when Celery's broker is not the Redis of REDIS_URL."""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import av
+import pytest
+
+from client.api import _app_for, live_replicas
+from client.local.replicas import plan, stop_group
+from conftest import SESSION_DIR, start_replicas
+from helpers import SYNTHETIC, lasting, wait_for
+from replicadp_tasks.records import RequestState
+from replicadp_tasks.worker import redis_address
+from test_embedded import REPLICADP, started_with
+
+CELERY = str(Path(sys.executable).parent / "celery")
+SMALL = ["--size", "64x64", "--num-frames", "9", "--steps", "4"]
+
+
+def cli(*args, redis_url, timeout=300):
+    return subprocess.run([REPLICADP, *args], env={**os.environ, "REDIS_URL": redis_url}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def served(redis_db, tiny_model):
+    """One tiny-model replica on a DB of its own; its URL."""
+    url = redis_db()
+    group = start_replicas(1, url, "cli", OUTPUT_DIR=str(SESSION_DIR / "outputs-cli"))
+    yield url
+    group.stop()
+
+
+def test_version():
+    """`replicadp --version` prints the installed distribution's version and exits 0."""
+    run = subprocess.run([REPLICADP, "--version"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == f"replicadp, version {importlib.metadata.version('replicadp')}"
+
+
+def test_generate_writes_a_playable_mp4(served, tmp_path):
+    """`generate PROMPT -o FILE` waits for the request and writes an MP4 that decodes to the frames asked for,
+    and prints a summary of it."""
+    out = tmp_path / "fox.mp4"
+    run = cli("generate", "a red fox in snow", "-o", str(out), *SMALL, "--seed", "3", redis_url=served)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "completed" in run.stdout and f"wrote {out}" in run.stdout and "64x64, 9 frames, 4 steps" in run.stdout
+    with av.open(str(out)) as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(frames) == 9 and frames[0].shape == (64, 64, 3)
+
+
+def test_generate_json_then_get_it_by_id(served, tmp_path):
+    """`generate --json` prints the Result alone on stdout; `get ID` finds it completed, `get ID --json` gives the
+    same Result and `get ID -o FILE` writes the very MP4 the Result's hash names."""
+    run = cli("generate", "a blue whale", *SMALL, "--seed", "5", "--priority", "interactive", "--user", "ann",
+              "--json", redis_url=served)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout)
+    assert {"request_id", "replica", "model", "params", "frames_sha256", "video_sha256", "timings",
+            "video_uri"} <= set(result)
+    assert result["params"]["seed"] == 5 and result["params"]["num_frames"] == 9 and result["model"] == "tiny"
+    assert "completed" in run.stderr  # the summary, off stdout
+    rid = result["request_id"]
+
+    got = cli("get", rid, redis_url=served)
+    assert got.returncode == 0 and f"{rid}: completed on {result['replica']}" in got.stdout, got.stdout + got.stderr
+    view = json.loads(cli("get", rid, "--json", redis_url=served).stdout)
+    assert view["status"] == "completed" and view["result"] == result
+    copy = tmp_path / "copy.mp4"
+    assert cli("get", rid, "-o", str(copy), redis_url=served).returncode == 0
+    assert hashlib.sha256(copy.read_bytes()).hexdigest() == result["video_sha256"]
+
+
+def test_json_dash_is_stdout_for_bench_and_describe_model(served):
+    """`bench --json -` and `describe-model --json -` print the JSON alone on stdout, their tables on stderr."""
+    bench = cli("bench", "--num-requests", "1", "--concurrency", "1", "--warmup", "0", *SMALL, "--json", "-",
+                redis_url=served)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert json.loads(bench.stdout)["completed"] == 1 and "videos/min" in bench.stderr
+    described = cli("describe-model", "tiny", "--json", "-", redis_url=served)
+    assert described.returncode == 0, described.stderr
+    assert json.loads(described.stdout) and described.stderr.strip()
+
+
+def test_bad_options_are_usage_errors_naming_the_option(redis_db):
+    """A malformed --size, a size the request check refuses, a step count out of range or a missing --image
+    file: exit 2 before anything is sent, naming the option and the value."""
+    url = redis_db()
+    for args, option, value in ((["--size", "64by64"], "--size", "64by64"), (["--size", "100x100"], "--size", "100"),
+                                (["--steps", "0"], "--steps", "0"), (["--image", "nope.png"], "--image", "nope.png")):
+        run = cli("generate", "x", *args, redis_url=url)
+        assert run.returncode == 2 and f"Invalid value for '{option}'" in run.stderr and value in run.stderr, run.stderr
+
+
+def test_generate_without_replicas_or_redis_is_unavailable(redis_db):
+    """Exit 3 (nothing was run) with a clear message: no live replica on a Redis, or no Redis at all (its password
+    hidden)."""
+    none = cli("generate", "x", *SMALL, redis_url=redis_db())
+    assert none.returncode == 3 and "no live replica" in none.stderr and "replicadp up" in none.stderr, none.stderr
+    down = cli("generate", "x", *SMALL, redis_url="redis://:secret@127.0.0.1:1/0")
+    assert down.returncode == 3 and "cannot reach Redis at redis://:***@127.0.0.1:1/0" in down.stderr
+    assert "secret" not in down.stderr
+
+
+def test_get_and_cancel_a_queued_then_a_running_request(redis_db, tmp_path):
+    """A request sent while no replica is live is `queued` to `get`; `cancel` says it was queued, and once a
+    replica starts it fails as cancelled (`get`: exit 1), a second cancel has nothing to do. A running request is
+    `running` with its replica and step, and `cancel` says so and stops it. An unknown id is exit 4."""
+    url = redis_db()
+    app = _app_for(url)
+    queued = app.send_task("replicadp.generate", kwargs=lasting(0.25, prompt="queued")).id
+    got = cli("get", queued, redis_url=url)
+    assert got.returncode == 0 and f"{queued}: queued" in got.stdout, got.stdout + got.stderr
+    assert json.loads(cli("get", queued, "--json", redis_url=url).stdout)["status"] == "queued"
+    cancelled = cli("cancel", queued, redis_url=url)
+    assert cancelled.returncode == 0 and "it was queued and will not run" in cancelled.stdout, cancelled.stdout
+    for command in ("get", "cancel"):
+        unknown = cli(command, "no-such-request", redis_url=url)
+        assert unknown.returncode == 4 and "no-such-request: unknown" in unknown.stdout, unknown.stdout
+
+    group = start_replicas(1, url, "cli-cancel", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path))
+    try:
+        wait_for(lambda: app.backend.get_task_meta(queued)["status"] == RequestState.FAILURE,
+                 "the cancelled request to fail")
+        failed = cli("get", queued, redis_url=url)
+        assert failed.returncode == 1 and "failed: RequestCancelled" in failed.stdout, failed.stdout
+        again = cli("cancel", queued, redis_url=url)
+        assert again.returncode == 0 and "nothing to cancel, it has ended (failed)" in again.stdout, again.stdout
+
+        running = app.send_task("replicadp.generate", kwargs=lasting(40, prompt="long")).id
+        wait_for(lambda: app.backend.get_task_meta(running)["status"] == RequestState.PROGRESS, "it to run")
+        view = json.loads(cli("get", running, "--json", redis_url=url).stdout)
+        assert view["status"] == "running" and view["replica"] == group.names[0] and view["total_steps"] == 160
+        stopped = cli("cancel", running, redis_url=url)
+        assert stopped.returncode == 0 and f"it was running on {group.names[0]}" in stopped.stdout, stopped.stdout
+        meta = wait_for(lambda: (m := app.backend.get_task_meta(running))["status"] == RequestState.FAILURE and m,
+                        "the running request to stop")
+        assert type(meta["result"]).__name__ == "RequestCancelled"
+    finally:
+        group.stop()
+
+
+def test_up_takes_the_model_from_the_environment_and_falls_back_to_the_cpu(clean_env):
+    """With no --model, --devices or --replicas, `up` serves REPLICADP_MODEL, finds no visible GPU (an empty
+    CUDA_VISIBLE_DEVICES) and starts one CPU replica, and says so."""
+    env, tmp = clean_env
+    env.update(REPLICADP_MODEL=SYNTHETIC, CUDA_VISIBLE_DEVICES="")
+    up = subprocess.run([REPLICADP, "up", "--threads", "1"], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"up: 1 replica(s) of {SYNTHETIC!r} on the CPU (--devices auto)" in up.stdout, up.stdout
+        state = json.loads((Path(env["REPLICADP_STATE_DIR"]) / "state.json").read_text())
+        assert state["model"] == SYNTHETIC and len(state["replicas"]) == 1
+    finally:
+        down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0 and "stopped 1 replica" in down.stdout
+    assert started_with(tmp) == set()
+
+
+def test_up_refuses_bad_devices_and_a_model_it_cannot_load(clean_env):
+    """Bad --devices or --replicas are usage errors (exit 2) naming them; a model spec the replica cannot load
+    ends `up` at the replica's first exit (exit 1, with the replica's error), not after its load timeout, and
+    leaves nothing running."""
+    env, tmp = clean_env
+    for args, extra, message in ((["--devices", "0,x"], {}, "--devices '0,x'"),
+                                 (["--replicas", "0"], {}, "--replicas 0"),
+                                 (["--replicas", "2"], {"CUDA_VISIBLE_DEVICES": "0"}, "1 GPU(s) visible (0)")):
+        run = subprocess.run([REPLICADP, "up", *args], env={**env, **extra}, capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 2 and message in run.stderr, run.stderr
+    env.update(REPLICADP_MODEL="./no-such-model", CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([REPLICADP, "up", "--threads", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "a replica exited before it served" in run.stderr and "no such folder" in run.stderr, run.stderr
+    assert not (Path(env["REPLICADP_STATE_DIR"]) / "state.json").exists()
+    assert started_with(tmp) == set()
+
+
+def test_up_plans_one_replica_per_visible_gpu():
+    """`up`'s device plan: no visible GPU is the CPU; else one replica per --gpus-per-replica visible GPUs, or
+    the first GPUs that --replicas needs; too few GPUs, or a device that is not an id, is refused by name."""
+    assert plan("auto", None, 1, []) == ("cpu", 1)
+    assert plan("auto", None, 1, ["0", "1", "2", "3"]) == ("0,1,2,3", 4)
+    assert plan("auto", None, 2, ["4", "5", "6", "7"]) == ("4,5,6,7", 2)
+    assert plan("auto", 1, 1, ["2", "3"]) == ("2", 1)
+    assert plan("0,1", None, 1, []) == ("0,1", 2)
+    assert plan("cpu", 3, 1, ["0"]) == ("cpu", 3)
+    with pytest.raises(ValueError, match="too few for 3 replica"):
+        plan("auto", 3, 1, ["0", "1"])
+    with pytest.raises(ValueError, match="'0,x'"):
+        plan("0,x", None, 1, [])
+
+
+def test_redis_urls_compare_by_what_they_name():
+    """Default port and DB, host case and a DB given as ?db= are the same Redis; another DB, port, password or
+    host name (localhost is not 127.0.0.1: nothing is resolved) is another."""
+    same = redis_address("redis://:pw@127.0.0.1:6379/0")
+    assert redis_address("redis://:pw@127.0.0.1") == same
+    assert redis_address("redis://:pw@127.0.0.1:6379?db=0") == same
+    assert redis_address("redis://:pw@127.0.0.1:6379/") == same
+    for other in ("redis://:pw@127.0.0.1:6379/1", "redis://:pw@127.0.0.1:6380/0", "redis://:other@127.0.0.1/0",
+                  "redis://:pw@localhost/0", "rediss://:pw@127.0.0.1/0"):
+        assert redis_address(other) != same, other
+    assert redis_address("redis://:pw@LOCALHOST/0") == redis_address("redis://:pw@localhost/0")
+
+
+def celery_worker(url: str, name: str, log: Path, *celery_args: str, **env) -> subprocess.Popen:
+    """`celery -A replicadp_tasks [celery_args] worker -n NAME@%h` with REDIS_URL=url, as worker_launch.sh starts
+    a replica (synthetic backend, CPU), in a process group of its own, its output in `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen([CELERY, "-A", "replicadp_tasks", *celery_args, "worker", "-n", f"{name}@%h"],
+                                env={**os.environ, "REDIS_URL": url, "REPLICADP_MODEL": SYNTHETIC,
+                                     "CUDA_VISIBLE_DEVICES": "", **env},
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def test_a_replica_refuses_a_broker_other_than_its_redis(redis_db, tmp_path):
+    """`celery -A replicadp_tasks -b URL worker`, CELERY_BROKER_URL or CELERY_RESULT_BACKEND naming another Redis
+    than REDIS_URL: the replica exits non-zero before it consumes, naming both (passwords hidden) and the fix;
+    with the same URL given both ways it starts and serves."""
+    url = redis_db()
+    db = int(url.rsplit("/", 1)[1])
+    other = f"{url.rsplit('/', 1)[0]}/{db + 100}"
+    password = urlsplit(url).password
+    log = tmp_path / "worker.log"
+    for what, args, env in (("broker", ["-b", other], {}), ("broker", [], {"CELERY_BROKER_URL": other}),
+                            ("result backend", [], {"CELERY_RESULT_BACKEND": other})):
+        proc = celery_worker(url, "refused", log, *args, **env)
+        try:
+            proc.wait(timeout=120)
+        finally:
+            stop_group(proc.pid, 10, proc)
+        output = log.read_text()
+        assert proc.returncode != 0, output
+        assert f"Celery's {what} is 'redis://:***@127.0.0.1:" in output and f"/{db + 100}'" in output, output
+        assert "replicadp's Redis (REDIS_URL, else `replicadp up`'s server) is 'redis://:***@" in output
+        assert "set REDIS_URL" in output and password not in output
+
+    proc = celery_worker(url, "matching", log, "-b", url, "--result-backend", url)
+    try:
+        wait_for(lambda: any(n.startswith("matching@") for n in live_replicas(url=url)), "the replica to serve",
+                 timeout=180)
+    finally:
+        stop_group(proc.pid, 60, proc)
+        proc.wait()
