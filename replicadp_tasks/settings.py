@@ -53,15 +53,6 @@ def _networks(name: str) -> tuple:
     return tuple(nets)
 
 
-def _scheduling(name: str, default: Scheduling) -> Scheduling:
-    raw = os.environ.get(name) or default
-    try:
-        return Scheduling(raw)
-    except ValueError:
-        raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not one of "
-                         f"{', '.join(Scheduling)}") from None
-
-
 def _choice(name: str, kind: type[StrEnum], default: StrEnum) -> StrEnum:
     """One of the values of the StrEnum `kind`."""
     raw = os.environ.get(name) or default
@@ -184,7 +175,7 @@ class Settings:
             model_cache=Path(os.environ.get("REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models")),
             # Where a producer places a request (scheduling.py): "fair" (priorities, then round robin across
             # users) or "fifo" (one list in arrival order: the baseline the scheduling benchmark compares with).
-            scheduling=_scheduling("REPLICADP_SCHEDULING", Scheduling.FAIR),
+            scheduling=_choice("REPLICADP_SCHEDULING", Scheduling, Scheduling.FAIR),
             # REPLICADP_STORE=s3: the bucket (no default: it is the operator's), and the key prefix the videos go
             # under, so that a bucket can hold other things too (retention removes only what lies under it).
             s3_bucket=os.environ.get("REPLICADP_S3_BUCKET", ""),

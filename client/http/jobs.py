@@ -64,6 +64,7 @@ def video_response(result: Result, video: bytes) -> Response:
     headers = {"X-Request-Id": result["request_id"], "X-Model": result["model"], "X-Replica": result["replica"],
                "X-Inference-Time-S": str(result["timings"]["inference_s"]),
                "X-Stage-Durations": json.dumps(stage_durations(result), separators=(",", ":"))}
-    if peak_memory_mb(result) is not None:  # unmeasured (the synthetic backend): no header rather than a 0
-        headers["X-Peak-Memory-MB"] = str(peak_memory_mb(result))
+    peak = peak_memory_mb(result)
+    if peak is not None:  # unmeasured (the synthetic backend): no header rather than a 0
+        headers["X-Peak-Memory-MB"] = str(peak)
     return Response(video, media_type="video/mp4", headers=headers)
