@@ -30,3 +30,5 @@ $RDP sweep --replicas 1,2 --model tiny --size 128x128 --num-frames 17 --steps 8 
 $PY bench/encode.py --repeats 7 --out bench-results/encode.json
 # 8. Scheduling: priorities, round robin across users and longest-first batches against one FIFO list.
 $PY bench/scheduling.py --repeats 3 --out bench-results/scheduling.json
+# 9. Step caches against the exact path: the tiny model, 128x128x17, 30 steps, the paths in turn per input.
+$PY bench/step_cache.py --requests 6 --out bench-results/step-cache-cpu.json

@@ -15,6 +15,7 @@ import click
 from replicadp_tasks.architectures import PEAK_TFLOPS
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.scheduling import Priority, check_user
+from replicadp_tasks.step_cache import Quality
 from replicadp_tasks.validate import DEFAULTS, REFERENCE_SIZE, parse_size
 
 from .api import ClientError, check_redis, use_redis
@@ -113,6 +114,8 @@ def main():
 @click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
 @click.option("--steps", default=DEFAULTS["num_inference_steps"], show_default=True, help="Denoising steps.")
 @click.option("--model", default=None, help="Expected model; fail if the live replicas serve another.")
+@click.option("--quality", type=click.Choice(["standard", "fast", "mixed"]), default="standard", show_default=True,
+              help="The path each request asks for; mixed: standard and fast in turn (request i: fast if i is odd).")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per request.")
 @click.option("--save-dir", type=click.Path(file_okay=False, path_type=Path), help="Write the MP4s here.")
 @click.option("--label", default="", help="A name for this run in the report.")
@@ -130,7 +133,7 @@ def main():
               help="Write the report as JSON to this file, or to stdout with - (the tables then go to stderr).")
 @redis_url_option()
 def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_prompt, size, num_frames, steps,
-          model, timeout, save_dir, label, baseline_tpm, write_baseline, check_baseline, tolerance_psnr, peak_tflops,
+          model, quality, timeout, save_dir, label, baseline_tpm, write_baseline, check_baseline, tolerance_psnr, peak_tflops,
           json_out):
     """Throughput benchmark (vllm-omni's bench_replica_dp protocol) with an optional isolation check."""
     from .bench.report import print_report
@@ -149,7 +152,8 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
             raise click.BadParameter(f"{prompts_file}: no prompts", param_hint="--prompts-file")
     cfg = BenchConfig(num_requests=num_requests, concurrency=concurrency, warmup=warmup, base_seed=base_seed,
                       prompts=prompts, negative_prompt=negative_prompt, width=size[0], height=size[1],
-                      num_frames=num_frames, steps=steps, timeout=timeout, label=label, peak_tflops=peak_tflops)
+                      num_frames=num_frames, steps=steps, quality=quality, timeout=timeout, label=label,
+                      peak_tflops=peak_tflops)
     rep = run_bench(cfg, model=model, save_dir=save_dir, baseline_tpm=baseline_tpm, write_baseline=write_baseline,
                     check_baseline=check_baseline, tolerance_psnr=tolerance_psnr)
     print_report(rep)
@@ -230,11 +234,13 @@ def image_param(ctx, param, value: str | None) -> str | None:
 @click.option("--image", callback=image_param, metavar="FILE|URL", help="First frame (image-to-video models).")
 @click.option("--priority", type=click.Choice([p.value for p in Priority]), help="Default: normal.")
 @click.option("--user", callback=user_param, help="Who the request is for (round robin across users).")
+@click.option("--quality", type=click.Choice([q.value for q in Quality]), help="Default: standard (the exact path); "
+              "fast: the deployment's step cache, where it has one.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait; then it is cancelled.")
 @click.option("--json", "json_out", is_flag=True, help="Print the Result as JSON on stdout (all else on stderr).")
 @redis_url_option()
 def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, guidance, fps, image, priority, user,
-             timeout, json_out):
+             quality, timeout, json_out):
     """Generate one video on the live replicas, with a bar over its denoising steps; exit 0 once it is done."""
     from rich.console import Console
     from rich.markup import escape
@@ -245,7 +251,7 @@ def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, gui
 
     request = {"prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, "width": size[0],
                "height": size[1], "num_frames": num_frames, "num_inference_steps": steps, "guidance_scale": guidance,
-               "fps": fps, "image": image, "priority": priority, "user": user}
+               "fps": fps, "image": image, "priority": priority, "user": user, "quality": quality}
     request = {k: v for k, v in request.items() if v is not None}
     try:
         # Model-independent checks here (16: Wan's smallest size multiple); the replica checks what its model needs.
@@ -469,6 +475,8 @@ def serve_http(host, port, max_queue, sync_timeout, api_keys, key_files):
     elif host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no API keys: anyone who reaches %s:%d can create, list and delete jobs (--api-key, "
                     "REPLICADP_API_KEYS)", host, port)
+    shown = f"[{host}]" if ":" in host else host
+    log.info("web page: http://%s:%d/ui (docs/ui.md)", shown, port)
     # A sync request still waiting this long after SIGTERM is dropped, and its generation cancelled.
     uvicorn.run(create_app(max_queue=max_queue, sync_timeout=sync_timeout, api_keys=keys), host=host, port=port,
                 timeout_graceful_shutdown=10, log_config=log_config)
@@ -542,6 +550,33 @@ def make_tiny_model(directory, variant):
     from replicadp_tasks.tiny_model import ensure_tiny_model
 
     console.print(f"tiny {variant} model in {ensure_tiny_model(directory, variant)}")
+
+
+@main.command("calibrate-mag")
+@click.option("--model", default=lambda: os.environ.get("REPLICADP_MODEL", "tiny"), show_default="REPLICADP_MODEL, else tiny",
+              help="The served model, as its replicas name it.")
+@click.option("--size", default=REFERENCE_SIZE, show_default=True, callback=size_param, help="WIDTHxHEIGHT.")
+@click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
+@click.option("--steps", default=DEFAULTS["num_inference_steps"], show_default=True,
+              help="Denoising steps; requests with another count use the ratios interpolated.")
+@click.option("--prompts", default=2, show_default=True, type=click.IntRange(1, 64), help="Requests averaged.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Default: REPLICADP_MAG_RATIOS, else the model cache's file for the model (where replicas look).")
+def calibrate_mag_cmd(model, size, num_frames, steps, prompts, out):
+    """MagCache's ratios for REPLICADP_CACHE=mag, measured on MODEL here (this process's GPU, else the CPU):
+    the exact path on a few requests, the residual magnitude ratio at each step, written where replicas read it."""
+    from replicadp_tasks.errors import ModelLoadError
+
+    from .ops.calibrate import calibrate, ratios_path
+
+    out = out or ratios_path(model)
+    try:
+        saved = calibrate(model, width=size[0], height=size[1], num_frames=num_frames, steps=steps, prompts=prompts,
+                          out=out)
+    except (ModelLoadError, InvalidRequest) as exc:
+        raise click.ClickException(str(exc))
+    console.print(f"MagCache ratios of {model!r} ({steps} steps, {prompts} requests, {saved['seconds']:.1f} s on "
+                  f"{saved['device']}) written to {out}")
 
 
 @main.command("describe-model")

@@ -22,6 +22,8 @@ import numpy as np
 from . import determinism, hub
 from .architectures import architecture, build_pipeline, request_flops
 from .errors import ModelLoadError, OutOfMemory
+from .quantization import Quantize, quantize
+from .step_cache import CacheMethod, Quality, StepCache
 from .validate import REFERENCE_WORK, GenerateRequest
 from .video import to_uint8
 
@@ -78,7 +80,8 @@ class PipelineHolder:
     """Holds the loaded pipeline; `generate` runs one request on it."""
 
     def __init__(self, spec: str, *, model_cache: Path, threads: int = 1, vae_tiling: bool = False,
-                 attention: str = "native", compile: str = "none", deterministic: bool = True):
+                 attention: str = "native", compile: str = "none", deterministic: bool = True,
+                 cache: StepCache = StepCache(CacheMethod.NONE), quantize: Quantize = Quantize.NONE):
         self.spec = spec
         self.model_cache = model_cache
         self.threads = threads
@@ -86,6 +89,8 @@ class PipelineHolder:
         self.attention = attention
         self.compile = compile
         self.deterministic = deterministic
+        self.cache = cache
+        self.quantize = quantize
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
@@ -105,6 +110,17 @@ class PipelineHolder:
         """Only TI2V models (Wan2.2-TI2V-5B) take a first frame; Wan2.1/2.2 T2V have no image channels."""
         return self.synthetic_s is not None or bool(self.pipe.config.get("expand_timesteps"))
 
+    @property
+    def qualities(self) -> list[str]:
+        """The paths a request may ask for: the exact one, and the fast one where the deployment has a step cache."""
+        return [Quality.STANDARD] if self.synthetic_s is not None else self.cache.qualities
+
+    def served(self, quality: Quality) -> dict:
+        """What about this deployment changes a request's output besides its inputs and the model: the step cache
+        (fast requests) and the quantization. Part of the input's identity (validate.input_key) and its Result."""
+        served = {"cache": str(self.cache)} if quality == Quality.FAST else {}
+        return served | ({"quantize": str(self.quantize)} if self.quantize != Quantize.NONE else {})
+
     def load(self) -> None:
         """Load the pipeline onto this replica's device(s)."""
         if self.synthetic_s is not None:
@@ -112,6 +128,11 @@ class PipelineHolder:
             return
         if self.compile not in COMPILE_MODES:
             raise ModelLoadError(f"REPLICADP_COMPILE={self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
+        if self.compile != "none" and self.cache.method != CacheMethod.NONE:
+            # diffusers' cache hooks are torch.compiler.disable'd functions inside the blocks that compile traces
+            # whole (fullgraph): every fast request would fail (tried on the tiny model, each method).
+            raise ModelLoadError(f"REPLICADP_CACHE={self.cache.method} cannot be combined with REPLICADP_COMPILE="
+                                 f"{self.compile}: the cache's hooks cannot be compiled; choose one of them")
         if self.deterministic:
             determinism.set_environment()  # before torch starts MKL and cuBLAS
         import diffusers
@@ -150,7 +171,10 @@ class PipelineHolder:
         except (OSError, ValueError, EnvironmentError) as exc:
             raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load: {exc}") from exc
         place(pipe, self.devices)
-        # 3. Speed: the attention kernels, and compilation of the transformer (on the first request of a shape).
+        # 3. Fidelity for speed, for every request: an FP8 transformer (REPLICADP_QUANTIZE), before it is compiled.
+        #    The step cache is the other such option, installed per fast request (generate).
+        quantize(pipe, self.quantize, self.device, self.devices)
+        # 4. Speed: the attention kernels, and compilation of the transformer (on the first request of a shape).
         try:
             pipe.transformer.set_attention_backend(self.attention)
         except (ValueError, RuntimeError, ImportError) as exc:
@@ -159,7 +183,7 @@ class PipelineHolder:
             pipe.transformer.compile_repeated_blocks(fullgraph=True)
         elif self.compile == "full":
             pipe.transformer.compile(fullgraph=True)
-        # 4. Options that trade speed for memory.
+        # 5. Options that trade speed for memory.
         if self.vae_tiling:
             pipe.vae.enable_tiling()
         pipe.set_progress_bar_config(disable=True)
@@ -203,6 +227,11 @@ class PipelineHolder:
 
                 self._i2v = WanImageToVideoPipeline.from_pipe(self.pipe)
             pipe, kwargs["image"] = self._i2v, image
+        # 3. The fast path: the step cache's hooks, installed for this request alone and removed at its end, also
+        #    when it fails half-way: no cache state outlives the request it was made in (step_cache.py).
+        transformer = self.pipe.transformer  # the i2v view shares it
+        if req.quality == Quality.FAST:
+            transformer.enable_cache(self.cache.config(req.num_inference_steps, lambda: pipe.current_timestep))
         oom = None
         try:
             with torch.inference_mode():
@@ -211,18 +240,21 @@ class PipelineHolder:
             if not is_out_of_memory(exc):
                 raise
             oom = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        finally:
+            if req.quality == Quality.FAST:
+                transformer.disable_cache()
         if oom is not None:
-            # 3. Out of memory fails this request only. Free its memory here, outside the except block: until
+            # 4. Out of memory fails this request only. Free its memory here, outside the except block: until
             # then the traceback keeps every frame of the pipeline, and with them the request's tensors.
             self.free_memory()
             raise OutOfMemory(f"height={req.height} width={req.width} num_frames={req.num_frames}: out of memory on "
                               f"{describe_device(self.device)} ({oom}); the replica serves on")
-        # 4. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
+        # 5. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
         frames = to_uint8(np.asarray(frames))
         expected = (req.num_frames, req.height, req.width, 3)
         if frames.shape != expected:
             raise RuntimeError(f"pipeline returned frames of shape {frames.shape}, expected {expected}")
-        # 5. What it cost. The first step's start is not observed: the loop time is extrapolated from the others.
+        # 6. What it cost. The first step's start is not observed: the loop time is extrapolated from the others.
         n = req.num_inference_steps
         dit_s = (marks[-1] - marks[0]) * n / (n - 1) if len(marks) == 2 else None
         self.last_run = RunStats(dit_s=dit_s, dit_flops=self.dit_flops(req), peak_memory_gib=self._peak_memory_gib())

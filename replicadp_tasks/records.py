@@ -53,6 +53,8 @@ class Result(TypedDict, total=False):
     timings: Timings
     dit_flops: int | None
     peak_memory_gib: float | None
+    served: dict  # what of the deployment changed the output besides the inputs (PipelineHolder.served): the step
+    # cache that a fast request ran with ({"cache": "mag threshold=0.06"}), a quantized transformer; {}: the exact path
     execution: str  # the FenceToken of the delivery that computed it
     redelivered: bool  # this delivery returned a result that another (or an earlier one) stored
     video_uri: str  # file://..., redis-key:... or s3://bucket/key (set by the store)
@@ -71,6 +73,9 @@ class ReplicaInfo(TypedDict):
     attention: str
     compile: str
     deterministic: bool
+    qualities: list[str]  # what a request's `quality` may be here (step_cache.Quality)
+    cache: str  # the step cache fast requests run with (step_cache.StepCache), "none" without
+    quantize: str  # the transformer's quantization (quantization.Quantize)
     pid: int
     load_s: float
     loaded_at: float

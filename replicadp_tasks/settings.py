@@ -12,7 +12,9 @@ from enum import StrEnum
 from pathlib import Path
 
 from .logs import LogFormat
+from .quantization import Quantize
 from .scheduling import Scheduling
+from .step_cache import CacheMethod, mag_ratios_file
 
 # Where `replicadp up` records the embedded server's URL, so that a plain `generate.delay()` finds it.
 STATE_DIR = Path(os.environ.get("REPLICADP_STATE_DIR", Path.home() / ".replicadp"))
@@ -27,6 +29,18 @@ def _int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not an integer") from None
+
+
+def _optional(name: str, kind: type[int] | type[float]) -> int | float | None:
+    """A number, or None when unset or empty (the default then depends on another setting)."""
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not {what}") from None
 
 
 def _bool(name: str, default: bool) -> bool:
@@ -85,6 +99,11 @@ class Settings:
     vae_tiling: bool
     attention: str
     compile: str
+    cache: CacheMethod
+    cache_threshold: float | None
+    cache_interval: int | None
+    mag_ratios: Path
+    quantize: Quantize
     deterministic: bool
     soft_time_limit_s: int
     time_limit_s: int
@@ -111,10 +130,13 @@ class Settings:
     @classmethod
     def from_env(cls) -> "Settings":
         image_dir = os.environ.get("REPLICADP_IMAGE_DIR")
+        # The production model; `tiny` is the offline stand-in that tests and the demo use.
+        model = os.environ.get("REPLICADP_MODEL", "Wan-AI/Wan2.2-TI2V-5B-Diffusers")
+        # Where `tiny` models are built on first use; shared by the replicas of a host.
+        model_cache = Path(os.environ.get("REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models"))
         return cls(
             redis_url=_redis_url(),
-            # The production model; `tiny` is the offline stand-in that tests and the demo use.
-            model=os.environ.get("REPLICADP_MODEL", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
+            model=model,
             # One shared queue that every replica pulls from: routing is work-conserving by construction.
             queue=os.environ.get("REPLICADP_QUEUE", "video"),
             # Absolute, so that video URIs mean the same to every process on the host.
@@ -137,6 +159,16 @@ class Settings:
             # regional compilation, seconds) or "full" (the whole forward). Compiling pays only on a GPU, once
             # per request shape; off until an H200 run shows the gain against the compile time.
             compile=os.environ.get("REPLICADP_COMPILE", "none"),
+            # The fast path (step_cache.py): a step cache that requests asking for quality=fast run with. None by
+            # default: each method trades fidelity for speed (docs/benchmarks.md), a deployment chooses it.
+            cache=_choice("REPLICADP_CACHE", CacheMethod, CacheMethod.NONE),
+            # The method's knob; unset: diffusers' default for it (step_cache.THRESHOLDS, INTERVALS).
+            cache_threshold=_optional("REPLICADP_CACHE_THRESHOLD", float),
+            cache_interval=_optional("REPLICADP_CACHE_INTERVAL", int),
+            # MagCache's ratios for the served model: `replicadp calibrate-mag` writes them, replicas read them.
+            mag_ratios=Path(os.environ.get("REPLICADP_MAG_RATIOS") or mag_ratios_file(model_cache, model)),
+            # FP8 transformer (quantization.py): ~1.2x on GPUs that have it, a different video for every request.
+            quantize=_choice("REPLICADP_QUANTIZE", Quantize, Quantize.NONE),
             # The same input gives the same frames in every replica (determinism.py): the isolation check needs
             # it. 0 trades that for the libraries' fastest kernels (gpu_check.sh measures the difference).
             deterministic=_bool("REPLICADP_DETERMINISTIC", True),
@@ -171,8 +203,7 @@ class Settings:
             fetch_allow=_networks("REPLICADP_FETCH_ALLOW"),
             # Local image paths are refused unless they lie under this folder.
             image_dir=Path(image_dir).resolve() if image_dir else None,
-            # Where `tiny` models are built on first use; shared by the replicas of a host.
-            model_cache=Path(os.environ.get("REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models")),
+            model_cache=model_cache,
             # Where a producer places a request (scheduling.py): "fair" (priorities, then round robin across
             # users) or "fifo" (one list in arrival order: the baseline the scheduling benchmark compares with).
             scheduling=_choice("REPLICADP_SCHEDULING", Scheduling, Scheduling.FAIR),

@@ -88,7 +88,8 @@ class Delivery:
         """Validate `kwargs` for the loaded model (InvalidRequest names the field) and load the first frame."""
         pipeline = child.current().pipeline
         req = validate_request(kwargs, size_multiple=pipeline.size_multiple,
-                               max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
+                               max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
+                               qualities=pipeline.qualities)
         image, image_sha256 = None, None
         if req.image is not None:
             if not pipeline.accepts_image:
@@ -101,7 +102,8 @@ class Delivery:
         params = req.params(image_sha256)
         # Checked by validate_request, with the deployment's policy: only read here.
         webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=False)
-        return cls(task=task, req=req, image=image, params=params, input_key=input_key(params, SETTINGS.model),
+        return cls(task=task, req=req, image=image, params=params,
+                   input_key=input_key(params, SETTINGS.model, pipeline.served(req.quality)),
                    request_id=req.request_id or task.request.id,
                    token=FenceToken(task.request.hostname, os.getpid(), task.request.id), started=started,
                    webhook=webhook)
@@ -185,7 +187,8 @@ class Delivery:
                 "encode_s": round(encoded - inferred, 4),
                 "total_s": round(time.time() - self.started, 4),
             },
-            dit_flops=cost.dit_flops, peak_memory_gib=cost.peak_memory_gib, execution=str(self.token),
+            dit_flops=cost.dit_flops, peak_memory_gib=cost.peak_memory_gib,
+            served=pipeline.served(self.req.quality), execution=str(self.token),
             redelivered=bool(self.task.request.delivery_info.get("redelivered")))
 
     def store(self, video: bytes, result: Result) -> Result:

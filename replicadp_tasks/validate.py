@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import InvalidRequest
 from .scheduling import check_priority, check_user
+from .step_cache import Quality
 from .webhooks import check_webhook
 
 # generate's defaults are the reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
@@ -30,6 +31,7 @@ DEFAULTS = {
     "max_sequence_length": 512,
     "image": None,
     "request_id": None,
+    "quality": Quality.STANDARD,  # the exact path; "fast" runs the deployment's step cache (step_cache.py)
 }
 # Where the request waits, not what it makes (scheduling.py): checked here, never part of its identity.
 SCHEDULING_FIELDS = ("priority", "user")
@@ -66,6 +68,7 @@ class GenerateRequest:
     max_sequence_length: int
     image: str | None
     request_id: str | None
+    quality: Quality
 
     def params(self, image_sha256: str | None = None) -> dict:
         """The effective inputs as reported back: the image by its hash, not its (possibly huge) bytes."""
@@ -75,9 +78,11 @@ class GenerateRequest:
         return p
 
 
-def input_key(params: dict, model: str) -> str:
-    """Identity of an input: every argument that changes the output, plus the model."""
-    canonical = json.dumps({**params, "model": model}, sort_keys=True, separators=(",", ":"))
+def input_key(params: dict, model: str, served: dict | None = None) -> str:
+    """Identity of an input: every argument that changes the output, plus the model, plus what else about the
+    deployment changes it (`served`: the step cache of a fast request, a quantized transformer)."""
+    canonical = json.dumps({**params, "model": model, **({"served": served} if served else {})}, sort_keys=True,
+                           separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -132,13 +137,15 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
 
 
 def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
-                     max_work: int | None = None, webhook_policy: bool = True) -> GenerateRequest:
+                     max_work: int | None = None, webhook_policy: bool = True,
+                     qualities: list[str] | None = None) -> GenerateRequest:
     """Check `generate`'s keyword arguments and return them with defaults filled in.
 
     `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
     deployment's budget for height x width x num_frames x num_inference_steps; `webhook_policy=False` checks a
-    webhook's form only, not what this deployment allows (for a producer without its settings: the replica checks).
-    Raises InvalidRequest naming the first bad field.
+    webhook's form only, not what this deployment allows (for a producer without its settings: the replica checks);
+    `qualities`: the paths the replica serves (None: any, the replica checks). Raises InvalidRequest naming the
+    first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
     if unknown:
@@ -157,6 +164,11 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     _int("num_frames", v["num_frames"], 1, MAX_FRAMES)
     if (v["num_frames"] - 1) % 4:
         _fail("num_frames", v["num_frames"], "must be of the form 4k+1 (1, 5, 9, ..., 33, ...)")
+    if v["quality"] not in list(Quality):
+        _fail("quality", v["quality"], f"must be one of {', '.join(Quality)}")
+    if qualities is not None and v["quality"] not in qualities:
+        _fail("quality", v["quality"], f"not served here: these replicas serve {', '.join(qualities)} only (their "
+                                       "deployment has no step cache: REPLICADP_CACHE=none)")
     request_id = v["request_id"]
     if request_id is not None and (not isinstance(request_id, str) or not REQUEST_ID_RE.fullmatch(request_id)):
         _fail("request_id", request_id, "must be 1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit")
@@ -177,6 +189,7 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
         max_sequence_length=_int("max_sequence_length", v["max_sequence_length"], 1, MAX_SEQUENCE_LENGTH),
         image=image,
         request_id=request_id,
+        quality=Quality(v["quality"]),
     )
     work = req.height * req.width * req.num_frames * req.num_inference_steps
     if max_work is not None and work > max_work:

@@ -38,6 +38,7 @@ from .lease import FenceKeeper, Keeper
 from .pipeline import PipelineHolder, describe_device
 from .records import ReplicaInfo
 from .settings import SETTINGS
+from .step_cache import StepCache
 from .store import open_store, outage_tolerant, sweep_forever
 from .validate import REQUEST_ID_RE
 
@@ -260,10 +261,11 @@ def _load_then_consume(**_):
     """In the pool child: load the model, publish what this replica serves, then open the shared queue."""
     name = MAIN.name  # inherited from the main process at fork
     started = time.time()
-    pipeline = PipelineHolder(SETTINGS.model, model_cache=SETTINGS.model_cache, threads=SETTINGS.threads,
-                              vae_tiling=SETTINGS.vae_tiling, attention=SETTINGS.attention, compile=SETTINGS.compile,
-                              deterministic=SETTINGS.deterministic)
     try:
+        pipeline = PipelineHolder(SETTINGS.model, model_cache=SETTINGS.model_cache, threads=SETTINGS.threads,
+                                  vae_tiling=SETTINGS.vae_tiling, attention=SETTINGS.attention,
+                                  compile=SETTINGS.compile, deterministic=SETTINGS.deterministic,
+                                  cache=StepCache.from_settings(SETTINGS), quantize=SETTINGS.quantize)
         pipeline.load()
         store = open_store(SETTINGS)
     except Exception:
@@ -279,6 +281,7 @@ def _load_then_consume(**_):
     info = ReplicaInfo(name=name, model=SETTINGS.model, device=describe_device(pipeline.device),
                        size_multiple=pipeline.size_multiple, accepts_image=pipeline.accepts_image,
                        attention=SETTINGS.attention, compile=SETTINGS.compile, deterministic=SETTINGS.deterministic,
+                       qualities=pipeline.qualities, cache=str(pipeline.cache), quantize=SETTINGS.quantize,
                        pid=os.getpid(), load_s=round(time.time() - started, 3), loaded_at=time.time())
     log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
     # Publish what this replica serves, then ask the main process, which answers control commands from its

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue #9), one command on one GPU, an estimated 7 minutes on an H200 (budget: 9):
+# The GPU check (issues #9, #22), one command on one GPU, an estimated 9 minutes on an H200 (budget: 10):
 #   1. installs the carried wheels (.whl/, made here by scripts/fetch_wheels.sh) if the machine lacks them;
 #   2. times one transformer forward pass per attention backend, and with compiled blocks (bench/gpu_kernels.py);
 #      the replicas below use the fastest backend unless REPLICADP_ATTENTION is set (a failure here, or a run
@@ -11,7 +11,10 @@
 #      whether the outputs differ without them (reported, not a failure);
 #   4. the same with TWO replicas sharing the GPU at concurrency 2 (8 requests after 2 warm-ups), checked
 #      against that baseline (isolation);
-#   5. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
+#   5. measures each step cache against the exact path on MODEL in one process (bench/step_cache.py: DiT loop and
+#      request time, blocks skipped, PSNR; CACHE_REQUESTS requests per path, 1; bounded by CACHE_TIMEOUT, 180 s,
+#      and reported, not fatal, if cut short);
+#   6. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
 #      utilisation and the isolation verdict, and leaves the JSON reports in $OUT.
 #
 #   scripts/gpu_check.sh                          # on the GPU machine, from the repo root
@@ -96,7 +99,15 @@ replicadp "${BENCH[@]}" --concurrency 2 --warmup 2 --label "2 replicas, one GPU"
   --check-baseline "$OUT/baseline.json" --json "$OUT/two.json" || status=1
 replicadp down
 
-# 5. The figures side by side.
+# 5. Step caches against the exact path, in one process (the replicas are down: the GPU is this step's alone).
+phase "step caches"
+if ! timeout "${CACHE_TIMEOUT:-180}" python3 bench/step_cache.py --model "$MODEL" --size "$SIZE" --frames "$FRAMES" \
+    --steps "$STEPS" --requests "${CACHE_REQUESTS:-1}" --out "$OUT/step-cache.json"; then
+  echo "gpu_check: the step-cache step failed or ran past ${CACHE_TIMEOUT:-180} s (above)" >&2
+  status=1
+fi
+
+# 6. The figures side by side.
 phase "done"
 python3 - "$OUT" <<'EOF'
 import json, sys

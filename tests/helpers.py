@@ -14,6 +14,9 @@ from replicadp_tasks.scheduling import next_request
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.validate import MAX_STEPS, REFERENCE_WORK
 
+# torch's, MKL's and oneDNN's switches to their AVX2 code: what an AVX2-only machine runs.
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
 
 def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2):
     """Poll `predicate()` until it returns something truthy, and return that. Past `timeout` seconds, a

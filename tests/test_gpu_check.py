@@ -50,7 +50,8 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     attention backend, then compiled blocks), the embedded server, one replica recording the baseline, one
     without deterministic kernels (its cost printed), two replicas checked against the baseline, the summary.
     It exits 0, the replicas use the fastest backend the kernels step found, its reports hold the figures the
-    GPU run prints (latency, videos/min, peak memory per replica, isolation), and it stops what it started."""
+    GPU run prints (latency, videos/min, peak memory per replica, isolation, each step cache against the exact
+    path), and it stops what it started."""
     run, out = run_check(tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     kernels = json.loads((out / "kernels.json").read_text())
@@ -69,6 +70,11 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     assert fast["completed"] == 3 and fast["label"] == "1 replica, nondeterministic"
     assert "deterministic kernels (REPLICADP_DETERMINISTIC=1, the default) cost" in run.stdout
     assert (out / "replicas.log").exists()
+    caches = json.loads((out / "step-cache.json").read_text())
+    assert [r["path"] for r in caches["rows"]] == ["exact", "first-block", "mag", "taylorseer", "pab"]
+    assert caches["model"] == "random:tiny-wan2.2-ti2v" and len(caches["mag_ratios"]) == 2
+    assert all(r["request_s"] > 0 and 0 <= r["blocks_skipped"] < 1 for r in caches["rows"])
+    assert "step caches: random:tiny-wan2.2-ti2v on cpu" in run.stdout
     assert started_by_the_script(out) == [] and left_behind(run) == []
 
 

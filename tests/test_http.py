@@ -441,7 +441,7 @@ def test_schemathesis_finds_no_500(closed):
 # vllm-omni's form fields (docs/serving/videos_api.md) this gateway accepts, and those it refuses on purpose
 # (docs/http.md, "Differences from vllm-omni"): each would change the video, and Wan2.2-TI2V-5B has no use for it.
 VLLM_OMNI_REFUSED = {"guidance_scale_2": "4.0", "boundary_ratio": "0.875", "flow_shift": "5.0",
-                     "lora": '{"name": "x"}', "extra_params": "{}", "quality": "high",
+                     "lora": '{"name": "x"}', "extra_params": "{}",
                      "image_reference": '{"image_url": "https://example.com/frame.png"}'}
 VLLM_OMNI_JOB_FIELDS = {"id", "object", "model", "prompt", "status", "progress", "size", "seconds", "created_at",
                         "completed_at", "expires_at", "error", "inference_time_s", "stage_durations",
@@ -451,7 +451,8 @@ VLLM_OMNI_JOB_FIELDS = {"id", "object", "model", "prompt", "status", "progress",
 def test_every_vllm_omni_field_gets_vllm_omnis_answer(live):
     """A job created with every field of vllm-omni's form that replicadp takes completes with the job object
     vllm-omni answers (its fields, whole seconds, stage durations and peak memory), its content carries
-    vllm-omni's headers, and each field replicadp refuses on purpose is a 400 naming it."""
+    vllm-omni's headers, each field replicadp refuses on purpose is a 400 naming it, and a `quality` that is not
+    standard or fast, or fast on replicas without a step cache, is a 400 naming `quality`."""
     png = io.BytesIO()
     Image.new("RGB", (64, 64), (20, 90, 200)).save(png, format="PNG")
     form = {"prompt": "a fox in snow", "model": "tiny", "seconds": "2", "fps": "4", "size": "64x64", "width": "64",
@@ -473,6 +474,12 @@ def test_every_vllm_omni_field_gets_vllm_omnis_answer(live):
     for field, value in VLLM_OMNI_REFUSED.items():
         refused = post(live, "/v1/videos", {**SMALL, field: value})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+    # vllm-omni's `quality` is replicadp's choice of path: standard or fast, and fast only where every live
+    # replica has a step cache (these have none).
+    for value, why in (("high", "must be one of standard, fast"), ("fast", "not served here")):
+        refused = post(live, "/v1/videos", {**SMALL, "quality": value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "quality", refused.text
+        assert why in refused.json()["error"]["message"], refused.text
 
 
 def test_seconds_that_disagree_with_num_frames_are_refused(live):

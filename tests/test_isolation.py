@@ -17,11 +17,10 @@ from client.api import Outcome
 from client.bench.isolation import check_baseline, describe_mismatch, write_baseline
 from client.bench.run import PROMPTS
 from conftest import start_replicas
+from helpers import AVX2
 from replicadp_tasks.video import encode_mp4, frames_sha256
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
-# torch's, MKL's and oneDNN's switches to their AVX2 code: what an AVX2-only machine runs.
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SMALL = ["--size", "64x64", "--num-frames", "9", "--steps", "4"]
 
 
@@ -134,6 +133,30 @@ def bench(url: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True, timeout=600)
 
 
+def protocol(url: str, name: str, tmp_path: Path, env: dict, *bench_args: str) -> dict:
+    """The isolation protocol on `url`: one replica records the baseline one request at a time, two other replica
+    processes replay it at concurrency 4 (both with `env`; `bench_args` for both benches). Asserts both benches
+    succeeded, all 16 inputs matched and both replicas took part; returns the check's report."""
+    baseline, report = tmp_path / "baseline.json", tmp_path / "two.json"
+    one = start_replicas(1, url, f"{name}-1", **env)
+    try:
+        run = bench(url, *bench_args, "--concurrency", "1", "--warmup", "0", "--write-baseline", str(baseline))
+    finally:
+        one.stop()
+    assert run.returncode == 0, run.stdout + run.stderr
+    two = start_replicas(2, url, f"{name}-2", **env)
+    try:
+        run = bench(url, *bench_args, "--concurrency", "4", "--check-baseline", str(baseline), "--json", str(report))
+    finally:
+        two.stop()
+    assert run.returncode == 0, run.stdout + run.stderr
+    rep = json.loads(report.read_text())
+    iso = rep["isolation"]
+    assert (iso["matched"], iso["mismatched"], iso["passed"]) == (16, 0, True), iso["mismatches"]
+    assert set(rep["per_replica"]) == set(two.names), rep["per_replica"]  # both replicas took part
+    return rep
+
+
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_isolation_protocol_with_16_inputs(isa, redis_db, tiny_model, tmp_path):
     """The reference protocol with 16 distinct inputs: one replica serially records the baseline, two other
@@ -141,24 +164,7 @@ def test_isolation_protocol_with_16_inputs(isa, redis_db, tiny_model, tmp_path):
     machine's own instruction set and with torch, MKL and oneDNN forced to AVX2 (what an AVX2-only machine
     runs), so that both kinds of machine are checked on either."""
     env = {"OUTPUT_DIR": str(tmp_path / "out"), **(AVX2 if isa == "avx2" else {})}
-    baseline, report = tmp_path / "baseline.json", tmp_path / "two.json"
-    url = redis_db()
-    one = start_replicas(1, url, f"isolation-{isa}-1", **env)
-    try:
-        run = bench(url, "--concurrency", "1", "--warmup", "0", "--write-baseline", str(baseline))
-    finally:
-        one.stop()
-    assert run.returncode == 0, run.stdout + run.stderr
-    two = start_replicas(2, url, f"isolation-{isa}-2", **env)
-    try:
-        run = bench(url, "--concurrency", "4", "--check-baseline", str(baseline), "--json", str(report))
-    finally:
-        two.stop()
-    assert run.returncode == 0, run.stdout + run.stderr
-    iso = json.loads(report.read_text())["isolation"]
-    assert (iso["matched"], iso["mismatched"], iso["passed"]) == (16, 0, True), iso["mismatches"]
-    served = json.loads(report.read_text())["per_replica"]
-    assert set(served) == set(two.names), served  # both replicas took part
+    protocol(redis_db(), f"isolation-{isa}", tmp_path, env)
 
 
 def test_replicas_run_mkl_in_reproducible_mode(redis_db, tiny_model, tmp_path):

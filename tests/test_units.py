@@ -60,14 +60,18 @@ def test_missing_prompt_and_unicode_prompt():
 
 
 def test_input_key_covers_every_output_changing_input():
-    """Two inputs that differ in any output-changing field, or in the model, have different keys."""
+    """Two inputs that differ in any output-changing field, in the model, or in what of the deployment changes
+    the output (a fast request's step cache, a quantized transformer) have different keys."""
     base = validate_request({"prompt": "x"}).params()
-    keys = {input_key(base, "tiny"), input_key(base, "other")}
+    keys = {input_key(base, "tiny"), input_key(base, "other"), input_key(base, "tiny", {"quantize": "fp8"})}
     for field, value in [("seed", 1), ("height", 64), ("num_frames", 9), ("guidance_scale", 1.0),
                          ("negative_prompt", "blur"), ("max_sequence_length", 64), ("fps", 16),
-                         ("image_sha256", "ab")]:
+                         ("image_sha256", "ab"), ("quality", "fast")]:
         keys.add(input_key({**base, field: value}, "tiny"))
-    assert len(keys) == 10
+    fast = {**base, "quality": "fast"}
+    keys |= {input_key(fast, "tiny", {"cache": "mag threshold=0.06"}), input_key(fast, "tiny", {"cache": "pab interval=2"})}
+    assert len(keys) == 14
+    assert input_key(base, "tiny", {}) == input_key(base, "tiny")  # the exact path's key needs no `served`
 
 
 def test_dir_store_first_writer_wins(tmp_path):

@@ -45,16 +45,18 @@ class BenchConfig:
     height: int = DEFAULTS["height"]
     num_frames: int = DEFAULTS["num_frames"]
     steps: int = DEFAULTS["num_inference_steps"]
+    quality: str = "standard"  # or "fast", or "mixed": standard and fast in turn
     timeout: float = 1800.0
     label: str = ""
     peak_tflops: float = PEAK_TFLOPS  # the chip's bf16 matrix throughput, for model FLOP utilisation
 
 
 def make_inputs(cfg: BenchConfig, count: int, seed_offset: int = 0) -> list[dict]:
+    qualities = ("standard", "fast") if cfg.quality == "mixed" else (cfg.quality,)
     return [{
         "prompt": cfg.prompts[i % len(cfg.prompts)], "seed": cfg.base_seed + seed_offset + i,
         "negative_prompt": cfg.negative_prompt, "height": cfg.height, "width": cfg.width,
-        "num_frames": cfg.num_frames, "num_inference_steps": cfg.steps,
+        "num_frames": cfg.num_frames, "num_inference_steps": cfg.steps, "quality": qualities[i % len(qualities)],
     } for i in range(count)]
 
 

@@ -34,6 +34,7 @@ class VideoForm:
     image: str | None  # input_reference, base64
     user: str | None
     priority: str | None
+    quality: str | None
     webhook_url: str | None
     webhook_events: str | None  # comma-separated
 
@@ -58,6 +59,8 @@ async def video_form(
                                                  "robin across users.")] = None,
     priority: Annotated[str | None, Form(description="interactive, normal (default) or batch: a replica takes "
                                                      "the highest priority waiting.")] = None,
+    quality: Annotated[str | None, Form(description="standard (default): the exact path; fast: the deployment's "
+                                                   "step cache, where it has one (a slightly different video).")] = None,
     webhook_url: Annotated[str | None, Form(description="An http(s) URL that is POSTed the job's events, signed "
                                                         "(docs/http.md, Webhooks).")] = None,
     webhook_events: Annotated[str | None, Form(description="Comma-separated: started, progress, completed, "
@@ -89,7 +92,7 @@ async def video_form(
     return VideoForm(prompt=prompt, size=size, width=width, height=height, num_frames=num_frames, seconds=seconds,
                      fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
                      negative_prompt=negative_prompt, model=model, image=image, user=user, priority=priority,
-                     webhook_url=webhook_url, webhook_events=webhook_events)
+                     quality=quality, webhook_url=webhook_url, webhook_events=webhook_events)
 
 
 FORM_FIELDS = [name for name in inspect.signature(video_form).parameters if name != "request"]
@@ -129,7 +132,7 @@ def generate_kwargs(form: VideoForm) -> dict:
     kwargs = {"prompt": form.prompt, "negative_prompt": form.negative_prompt, "seed": form.seed, "height": height,
               "width": width, "num_frames": num_frames, "num_inference_steps": form.num_inference_steps,
               "guidance_scale": form.guidance_scale, "fps": form.fps, "image": form.image, "user": form.user,
-              "priority": form.priority, "webhook": form.webhook_url,
+              "priority": form.priority, "quality": form.quality, "webhook": form.webhook_url,
               "webhook_events": [e.strip() for e in form.webhook_events.split(",")]
               if form.webhook_events is not None else None}
     return {k: v for k, v in kwargs.items() if v is not None}

@@ -21,7 +21,7 @@ from replicadp_tasks import generate
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, REPLICA_KEY
 from replicadp_tasks.records import READY
-from replicadp_tasks.scheduling import queue_lists
+from replicadp_tasks.scheduling import Priority, queue_lists
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.validate import validate_request
 
@@ -100,12 +100,16 @@ class Gateway:
         """What the live replicas serve; with none live, REPLICADP_MODEL (the deployment's model)."""
         return sorted({r["model"] for r in await self.replicas() if r.get("model")}) or [SETTINGS.model]
 
-    async def queue_depth(self) -> int:
-        """Requests waiting, every priority."""
+    async def queue_by_priority(self) -> dict[Priority, int]:
+        """Requests waiting at each priority, highest first."""
         pipe = self.redis.pipeline()
         for key in queue_lists(SETTINGS.queue):
             pipe.llen(key)
-        return sum(await pipe.execute())
+        return dict(zip(Priority, await pipe.execute()))
+
+    async def queue_depth(self) -> int:
+        """Requests waiting, every priority."""
+        return sum((await self.queue_by_priority()).values())
 
     # --- requests ------------------------------------------------------------------------------------------
 
@@ -115,12 +119,16 @@ class Gateway:
         live = await self.replicas()
         # 16 (Wan's smallest) unless the replicas publish their model's multiple; the task checks again anyway.
         multiple = max((int(r.get("size_multiple") or 16) for r in live), default=16)
+        # The qualities every live replica serves (any replica may take the request); unknown while none is live.
+        served_by_all = [set(r.get("qualities") or ["standard"]) for r in live]
+        qualities = sorted(set.intersection(*served_by_all), reverse=True) if served_by_all else None
         try:
             kwargs = generate_kwargs(form)
             # In a thread: a webhook's host is resolved to check its addresses (fetch.target), which may take
             # as long as the resolver does.
             req = await asyncio.to_thread(validate_request, kwargs, size_multiple=multiple,
-                                          max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
+                                          max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
+                                          qualities=qualities)
         except InvalidRequest as exc:
             raise invalid(exc) from None
         served = await self.served_models()
