@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 .PHONY: install install-test demo test clean
 
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test $(VENV)/.installed-compose
+install-test: $(VENV)/.installed-test $(VENV)/.installed-compose $(VENV)/.installed-browser
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ $(VENV)/.installed-compose:
 	$(VENV)/compose/bin/python -m pip install -q "cython<3" wheel setuptools
 	$(VENV)/compose/bin/python -m pip install -q --no-build-isolation "PyYAML==5.4.1"
 	$(VENV)/compose/bin/python -m pip install -q "docker-compose==1.29.2"
+	touch $@
+
+# Headless Chromium and its driver for tests/test_ui.py (the web page, driven by selenium): Debian's packages,
+# since nothing may be downloaded at test time.
+$(VENV)/.installed-browser: $(VENV)/.installed-test
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update && apt-get install -y --no-install-recommends chromium chromium-driver)
 	touch $@
 
 demo: install

@@ -18,6 +18,7 @@ from .body import FORM_ALLOWANCE, BodyCheck
 from .errors import ErrorCode, error_response
 from .gateway import Gateway
 from .routes import router
+from .ui import router as ui_router
 
 
 @asynccontextmanager
@@ -66,4 +67,5 @@ def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0, api_keys: l
     api.add_exception_handler(RedisError, redis_down)
     api.add_exception_handler(OperationalError, redis_down)  # kombu's: the broker (Redis) is unreachable
     api.include_router(router)
+    api.include_router(ui_router)  # the web page, /ui (docs/ui.md)
     return api

@@ -1,5 +1,6 @@
 """API keys: with keys configured, every `/v1/` route wants `Authorization: Bearer <key>`, as `vllm serve
---api-key` does; `/health` and the OpenAPI schema stay open. Each key owns the jobs made with it.
+--api-key` does; `/health`, the OpenAPI schema and the web page's files (`/ui`: it asks for the key and sends it
+to /v1) stay open. Each key owns the jobs made with it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from .errors import ErrorCode, error_response
 
-PROTECTED = "/v1"  # the API; /health (load balancers, compose healthchecks) and /docs stay open
+PROTECTED = "/v1"  # the API; /health (load balancers, compose healthchecks), /docs and /ui stay open
 
 
 class ApiKeyError(ValueError):

@@ -31,6 +31,9 @@ def job_view(record: dict, meta: dict | None) -> VideoJob:
         job.status, job.progress, job.completed_at = "completed", 100, date_done(meta)
         job.replica, job.inference_time_s = info["replica"], info["timings"]["inference_s"]
         job.stage_durations, job.peak_memory_mb = stage_durations(info), peak_memory_mb(info)
+        job.params, job.frames_sha256, job.video_sha256 = info.get("params"), info.get("frames_sha256"), info.get(
+            "video_sha256")
+        job.seed = job.params.get("seed") if job.params else None
         signed = with_fresh_url(info)
         job.video_url, job.video_url_expires_at = signed.get("video_url"), signed.get("video_url_expires_at")
         if SETTINGS.store_ttl_s and job.completed_at is not None:

@@ -37,6 +37,12 @@ class VideoJob(BaseModel):
     # REPLICADP_STORE=s3: a presigned GET URL of the MP4, made as the job is read, and when it expires (unix s)
     video_url: str | None = None
     video_url_expires_at: int | None = None
+    # Once completed, from the Result: the effective inputs (validate.GenerateRequest.params: the first frame by
+    # its hash) and the output's identity, so that a client can re-run a video and check it gets the same one.
+    seed: int | None = None
+    params: dict | None = None
+    frames_sha256: str | None = None
+    video_sha256: str | None = None
 
 
 JobOrder = Literal["asc", "desc"]  # GET /v1/videos?order=: by creation time
@@ -72,6 +78,34 @@ class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     replicas: list[str]
     queue_depth: int
+
+
+class RunningRequest(BaseModel):
+    id: str  # the job id (a gateway job's request_id is its id)
+    step: int | None  # None until its first denoising step
+    total_steps: int | None
+
+
+class ReplicaStatus(BaseModel):
+    name: str
+    device: str | None
+    model: str | None
+    accepts_image: bool
+    qualities: list[str] | None  # the fidelities it serves (the form's `quality`); None: it offers no choice
+    size_multiple: int | None
+    serving: bool  # False while it loads its model
+    running: RunningRequest | None
+
+
+class ClusterStatus(BaseModel):
+    """GET /v1/status: what the web page shows live (docs/ui.md)."""
+
+    replicas: list[ReplicaStatus]
+    queue_depth: int
+    queue_by_priority: dict[str, int]  # interactive, normal, batch
+    mean_request_s: float | None  # the mean replica time of recent completed jobs; None: none completed lately
+    # per priority: seconds until a request queued now at it starts (docs/ui.md); None: unknown
+    expected_wait_s: dict[str, float | None]
 
 
 class ErrorDetail(BaseModel):
