@@ -161,6 +161,7 @@ VALID = {
     "request_id": st.uuids().map(str),
     "priority": st.sampled_from(["interactive", "normal", "batch"]),
     "user": PRINTABLE,
+    "quality": st.just("standard"),  # the session's replicas have no step cache: fast is a mistake here
     "webhook": st.just("https://example.com/hook"),  # refused here all the same: these replicas have no secret
     "webhook_events": st.sampled_from([["completed"], ["started", "progress", "completed", "failed"]]),
 }
@@ -180,6 +181,7 @@ MISTAKES = {
     "request_id": st.sampled_from(["../../etc/passwd", "a" * 200, "x\x00y", "bad id", "/abs", ""]),
     "priority": st.sampled_from(["urgent", "HIGH", "", 0, 9]),
     "user": st.sampled_from(["", "a\x00b", "\x1b[2J", "u" * 300, 7]),
+    "quality": st.sampled_from(["fast", "hd", "", "STANDARD", 1]),
     "webhook": st.sampled_from(["ftp://example.com/x", "http://127.0.0.1:1/x", "http://user:pw@example.com/", "",
                                 "http://example.com/" + "a" * 3000, "http://example.com/a\x00b"]),
     "webhook_events": st.sampled_from(["completed", [], ["done"], [5], [["completed"]]]),
