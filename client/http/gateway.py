@@ -50,6 +50,29 @@ class Admitted:
     job: dict  # the job record's request fields (schema.VideoJob's): model, prompt, size, seconds, ...
 
 
+class Refreshed:
+    """A value that `read()` (a coroutine function) makes, reused while `max_age` seconds fresh and then read again
+    in the background: a caller waits for a read only while there is no value yet, and one read runs at a time."""
+
+    def __init__(self, read, max_age: float):
+        self._read, self._max_age = read, max_age
+        self._value = None
+        self._read_at = 0.0
+        self._reading: asyncio.Task | None = None
+
+    async def _refresh(self) -> None:
+        self._value = await self._read()
+        self._read_at = time.monotonic()
+
+    async def get(self):
+        stale = time.monotonic() - self._read_at > self._max_age
+        if stale and (self._reading is None or self._reading.done()):
+            self._reading = asyncio.create_task(self._refresh())
+        if self._value is None:
+            await asyncio.shield(self._reading)
+        return self._value
+
+
 class Gateway:
     """One per app (`app.state.gateway`). `max_queue`: requests waiting in the shared queue past which new ones
     get 429; `sync_timeout`: seconds a sync request waits for its video before a 504. Started and closed by the
@@ -65,9 +88,7 @@ class Gateway:
         self.results = ResultWatch(celery_app.backend, self._on_state)
         self._awaited: dict[str, asyncio.Future] = {}  # task id -> its final result meta, for run_sync
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._replicas: list[dict] | None = None
-        self._refreshed = 0.0
-        self._refresh: asyncio.Task | None = None
+        self._replicas = Refreshed(self._read_replicas, LIVE_CACHE_S)
 
     def start(self) -> None:
         """On the event loop, which the result watch's thread hands final states over to."""
@@ -80,21 +101,14 @@ class Gateway:
 
     # --- the live replicas ---------------------------------------------------------------------------------
 
-    async def _read_replicas(self) -> None:
+    async def _read_replicas(self) -> list[dict]:
         names = await asyncio.to_thread(live_replicas, 1.0, redis_url())
         raws = await self.redis.mget([REPLICA_KEY + n for n in names]) if names else []
-        self._replicas = [{**(json.loads(raw) if raw else {}), "name": n} for n, raw in zip(names, raws)]
-        self._refreshed = time.monotonic()
+        return [{**(json.loads(raw) if raw else {}), "name": n} for n, raw in zip(names, raws)]
 
     async def replicas(self) -> list[dict]:
-        """The live replicas and what each serves (their ReplicaInfo). Refreshed in the background once
-        LIVE_CACHE_S old, so that a request waits for the broadcast only when the gateway has none yet."""
-        stale = time.monotonic() - self._refreshed > LIVE_CACHE_S
-        if stale and (self._refresh is None or self._refresh.done()):
-            self._refresh = asyncio.create_task(self._read_replicas())
-        if self._replicas is None:
-            await asyncio.shield(self._refresh)
-        return self._replicas
+        """The live replicas and what each serves (their ReplicaInfo), at most LIVE_CACHE_S old."""
+        return await self._replicas.get()
 
     async def served_models(self) -> list[str]:
         """What the live replicas serve; with none live, REPLICADP_MODEL (the deployment's model)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from importlib.resources import files
 
 from fastapi import APIRouter, Request
@@ -18,6 +17,7 @@ from replicadp_tasks.scheduling import Priority
 
 from ..ops.status import snapshot
 from .errors import ErrorCode, GatewayError
+from .gateway import Refreshed
 from .routes import GatewayDep
 from .schema import ERRORS, ClusterStatus, ReplicaStatus, RunningRequest
 
@@ -50,33 +50,12 @@ async def asset(name: str):
     return FileResponse(STATIC / name, media_type=ASSETS[name], headers=PAGE_HEADERS)
 
 
-class Snapshots:
-    """`replicadp status`'s snapshot (client/ops/status.py), taken in a thread in the background and reused while
-    SNAPSHOT_CACHE_S fresh: any number of polling pages cost one pair of broadcasts at a time, and none blocks the
-    event loop."""
-
-    def __init__(self):
-        self._snap: dict | None = None
-        self._taken = 0.0
-        self._taking: asyncio.Task | None = None
-
-    async def _take(self) -> None:
-        self._snap = await asyncio.to_thread(snapshot)
-        self._taken = time.monotonic()
-
-    async def get(self) -> dict:
-        stale = time.monotonic() - self._taken > SNAPSHOT_CACHE_S
-        if stale and (self._taking is None or self._taking.done()):
-            self._taking = asyncio.create_task(self._take())
-        if self._snap is None:
-            await asyncio.shield(self._taking)
-        return self._snap
-
-
-def snapshots(request: Request) -> Snapshots:
+def snapshots(request: Request) -> Refreshed:
+    """`replicadp status`'s snapshot (client/ops/status.py), taken in a thread and shared by every polling page
+    while SNAPSHOT_CACHE_S fresh: any number of pages cost one pair of broadcasts at a time."""
     state = request.app.state
     if not hasattr(state, "snapshots"):
-        state.snapshots = Snapshots()
+        state.snapshots = Refreshed(lambda: asyncio.to_thread(snapshot), SNAPSHOT_CACHE_S)
     return state.snapshots
 
 

@@ -75,10 +75,11 @@ class EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = self.conf_path
         # Append-only with `appendfsync always`: a killed server keeps every write it acknowledged, queued
-        # requests included (docs/reliability.md). 64 databases: the tests give each replica set its own.
+        # requests included (docs/reliability.md). 256 databases: the tests give each test that starts
+        # replicas a database of its own (an empty one costs the server next to nothing).
         conf.write_text("\n".join([
             "bind " + " ".join(("127.0.0.1", *self.also_bind)),
-            f"port {self.port}", f"requirepass {self.password}", "protected-mode yes", "databases 64",
+            f"port {self.port}", f"requirepass {self.password}", "protected-mode yes", "databases 256",
             f'dir "{self.data_dir}"', "appendonly yes", "appendfsync always", 'save ""',
             'logfile "valkey.log"', "daemonize no", "",
         ]))
