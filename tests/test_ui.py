@@ -9,12 +9,12 @@ from contextlib import contextmanager
 import httpx
 import pytest
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, wait_for
+from helpers import lasting, wait_for
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.select import Select
-from test_http import SMALL, auth, gateway, live, multipart, result_meta  # noqa: F401 (live: a fixture)
+from test_http import SMALL, auth, gateway, live, multipart, result_meta, slow  # noqa: F401 (fixtures)
 
 from replicadp_tasks.records import RequestState
 
@@ -45,18 +45,6 @@ def chromium(width: int = 1366, height: int = 900):
 def browser():
     with chromium() as driver:
         yield driver
-
-
-@pytest.fixture(scope="module")
-def synthetic(redis_db):
-    """One synthetic-backend replica behind a gateway, on a database of their own."""
-    url = redis_db()
-    group = start_replicas(1, url, "synthetic-ui", model=SYNTHETIC)
-    try:
-        with gateway(url, "ui-synthetic") as gw:
-            yield gw
-    finally:
-        group.stop()
 
 
 def open_page(driver, gw):
@@ -136,10 +124,10 @@ def test_a_rerun_from_a_videos_page_says_its_output_matches(live, browser):
     assert job["seed"] == 11 and job["frames_sha256"] == live.client.get(f"/v1/videos/{original}").json()["frames_sha256"]
 
 
-def test_the_progress_bar_moves_and_cancel_stops_a_running_request(synthetic, browser):
+def test_the_progress_bar_moves_and_cancel_stops_a_running_request(slow, browser):
     """A 30 s request (synthetic backend, 0.25 s a step) shows its progress bar moving and its replica running it
     at a step; Cancel stops it on the replica (RequestCancelled) and the page says cancelled."""
-    open_page(browser, synthetic)
+    open_page(browser, slow)
     request = lasting(30)
     fill(browser, prompt="a slow one", size="64x64", length=request["num_frames"],
          num_inference_steps=request["num_inference_steps"])
@@ -149,11 +137,11 @@ def test_the_progress_bar_moves_and_cancel_stops_a_running_request(synthetic, br
     wait_for(lambda: item(browser, job_id, "li.querySelector('progress').value") > first, "the progress bar to move")
     wait_for(lambda: f"running {job_id[:8]}, step" in browser.find_element(By.ID, "replicas").text,
              "the replica to show the request at a step", timeout=25)  # it runs 30 s
-    status = synthetic.client.get("/v1/status").json()
+    status = slow.client.get("/v1/status").json()
     assert status["replicas"][0]["running"]["id"] == job_id and status["replicas"][0]["serving"]
     browser.find_element(By.CSS_SELECTOR, f'#requests li[data-id="{job_id}"] button.cancel').click()
     wait_for(lambda: item(browser, job_id, "li.dataset.status") == "cancelled", "the page to say cancelled")
-    meta = wait_for(lambda: (m := result_meta(synthetic.redis_url, job_id)) and m["status"] == RequestState.FAILURE
+    meta = wait_for(lambda: (m := result_meta(slow.redis_url, job_id)) and m["status"] == RequestState.FAILURE
                     and m, f"{job_id} to stop on the replica")
     assert meta["result"]["exc_type"] == "RequestCancelled"
 
@@ -163,10 +151,10 @@ def test_the_progress_bar_moves_and_cancel_stops_a_running_request(synthetic, br
     ({"num_inference_steps": 999}, "num_inference_steps", "num_inference_steps"),
     ({"length": 6}, "length", "num_frames"),
 ])
-def test_bad_input_shows_the_servers_error_next_to_its_field(synthetic, browser, fields, field, words):
+def test_bad_input_shows_the_servers_error_next_to_its_field(slow, browser, fields, field, words):
     """The gateway's 400 (OpenAI's error object, `param` naming the field) is shown under the input it names,
     which is marked invalid, described by the message and focused; no request is listed."""
-    open_page(browser, synthetic)
+    open_page(browser, slow)
     fill(browser, prompt="bad input", **fields)
     browser.find_element(By.ID, "submit").click()
     error = wait_for(lambda: browser.find_element(By.ID, f"err-{field}").text, f"an error under {field}")
