@@ -32,3 +32,5 @@ $PY bench/encode.py --repeats 7 --out bench-results/encode.json
 $PY bench/scheduling.py --repeats 3 --out bench-results/scheduling.json
 # 9. Step caches against the exact path: the tiny model, 128x128x17, 30 steps, the paths in turn per input.
 $PY bench/step_cache.py --requests 6 --out bench-results/step-cache-cpu.json
+# 10. The embedded server's `appendfsync always`: what the fsync adds to a write (docs/benchmarks.md, section 1).
+$PY bench/fsync.py --writes 2000 --rounds 5 --out bench-results/fsync.json

@@ -29,25 +29,11 @@ from client.bench.run import PROMPTS  # noqa: E402
 from client.cli import size_param  # noqa: E402
 from replicadp_tasks.pipeline import PipelineHolder  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.step_cache import CacheMethod, StepCache, calibrate_mag  # noqa: E402
+from replicadp_tasks.step_cache import CacheMethod, StepCache, calibrate_mag, count_block_work  # noqa: E402
 from replicadp_tasks.validate import validate_request  # noqa: E402
 from replicadp_tasks.video import encode_mp4  # noqa: E402
 
 METHODS = [m for m in CacheMethod if m != CacheMethod.NONE]
-
-
-def count_block_work(transformer) -> dict:
-    """Count the calls of each block's self-attention, cross-attention and feed-forward (their first linear
-    layer: a skipped block, attention or step calls none). Returns the live counter."""
-    calls = {"n": 0}
-
-    def count(*_):
-        calls["n"] += 1
-
-    for block in transformer.blocks:
-        for part in (block.attn1.to_q, block.attn2.to_q, block.ffn.net[0].proj):
-            part.register_forward_pre_hook(count)
-    return calls
 
 
 @click.command()

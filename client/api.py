@@ -14,16 +14,17 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from celery import Celery
 
 from replicadp_tasks import app, generate
+from replicadp_tasks.app import check_one_redis
 from replicadp_tasks.errors import InvalidRequest
+from replicadp_tasks import heartbeat
 from replicadp_tasks.keys import CANCEL_KEY
 from replicadp_tasks.records import RequestState, Result
-from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.settings import SETTINGS, redacted
 from replicadp_tasks.store import delete_stored, with_video_url
 from replicadp_tasks.store import fetch_video as _fetch
 from replicadp_tasks.transport import transport_for
@@ -65,15 +66,6 @@ class InFlight:
     replica: str | None = None
 
 
-def redacted(url: str) -> str:
-    """A Redis URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password:
-        host = parts.hostname + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=f":***@{host}"))
-    return url
-
-
 def redis_url() -> str:
     return app.conf.broker_url
 
@@ -88,6 +80,7 @@ def use_redis(url: str) -> None:
     the tests). Call it once, before the first request: the app's connection pools keep the first URL."""
     os.environ["REDIS_URL"] = url
     app.conf.update(_on(url))
+    check_one_redis(app.conf)  # CELERY_BROKER_URL and the like would still win over it
 
 
 def check_redis(url: str | None = None, timeout: float = 3.0) -> None:
@@ -110,11 +103,17 @@ def _app_for(url: str) -> Celery:
     return other
 
 
+@functools.lru_cache(maxsize=None)
+def redis_client(url: str, timeout: float) -> redis.Redis:
+    """A client of the Redis at `url` whose calls give up after `timeout` seconds, kept for the next call."""
+    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
 def live_replicas(timeout: float = 1.0, url: str | None = None) -> list[str]:
-    """Replicas that hold their model and consume the shared queue (on `url`, default this app's Redis)."""
-    control_app = app if url in (None, redis_url()) else _app_for(url)
-    queues = control_app.control.inspect(timeout=timeout).active_queues() or {}
-    return sorted(name for name, qs in queues.items() if any(q["name"] == SETTINGS.queue for q in qs))
+    """Replicas that hold their model and consume the shared queue (on `url`, default this app's Redis): those
+    whose serving heartbeat is fresher than REPLICADP_REPLICA_STALE (heartbeat.py). One read; `timeout`: seconds
+    to wait for Redis."""
+    return heartbeat.read(redis_client(url or redis_url(), timeout), SETTINGS.replica_stale_s).serving
 
 
 def fetch_video(result: dict) -> bytes:

@@ -42,15 +42,17 @@ def user_param(ctx, param, value: str | None) -> str | None:
         raise click.BadParameter(str(exc).removeprefix(f"{exc.field}=")) from None
 
 
-def redis_url_option(help="Redis to use (default: `replicadp up`'s server, else 127.0.0.1:6379)."):
-    """--redis-url, else REDIS_URL: this process is pointed at it before it connects to anything."""
+def redis_url_option(help="Redis to use (default: `replicadp up`'s server, else 127.0.0.1:6379).", *,
+                     expose: bool = False):
+    """--redis-url, else REDIS_URL: this process is pointed at it before it connects to anything; with `expose`,
+    the command gets it instead (None when neither is given) and points itself."""
     def point_at(ctx, param, url):
         if url:
             use_redis(url)
 
     # A password in the URL shows in `ps` when given on the command line: REDIS_URL keeps it off.
-    return click.option("--redis-url", envvar="REDIS_URL", show_envvar=True, expose_value=False, callback=point_at,
-                        metavar="URL", help=help)
+    return click.option("--redis-url", envvar="REDIS_URL", show_envvar=True, expose_value=expose,
+                        callback=None if expose else point_at, metavar="URL", help=help)
 
 
 class Exit(IntEnum):
@@ -121,8 +123,12 @@ def main():
 @click.option("--label", default="", help="A name for this run in the report.")
 @click.option("--baseline-tpm", type=float, help="One-replica videos/min, to print scaling and efficiency.")
 @click.option("--write-baseline", type=click.Path(dir_okay=False, path_type=Path), help="Record output hashes per input.")
+@click.option("--baseline-format", type=click.Choice(["replicadp", "vllm-omni"]),
+              help="What --write-baseline writes: replicadp's (both hashes and the videos, for the PSNR of a "
+                   "mismatch; the default) or vllm-omni's bench_replica_dp.py manifest (input key -> MP4 md5). "
+                   "--check-baseline reads either.")
 @click.option("--check-baseline", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Compare output hashes per input with a recorded baseline.")
+              help="Compare output hashes per input with a recorded baseline (replicadp's or vllm-omni's).")
 @click.option("--tolerance-psnr", type=float, metavar="DB",
               help="With --check-baseline: also pass a mismatch whose decoded video has a PSNR of at least DB dB "
                    "against its own baseline, higher than against any other input's (for hardware whose kernels "
@@ -133,9 +139,10 @@ def main():
               help="Write the report as JSON to this file, or to stdout with - (the tables then go to stderr).")
 @redis_url_option()
 def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_prompt, size, num_frames, steps,
-          model, quality, timeout, save_dir, label, baseline_tpm, write_baseline, check_baseline, tolerance_psnr, peak_tflops,
-          json_out):
+          model, quality, timeout, save_dir, label, baseline_tpm, write_baseline, baseline_format, check_baseline,
+          tolerance_psnr, peak_tflops, json_out):
     """Throughput benchmark (vllm-omni's bench_replica_dp protocol) with an optional isolation check."""
+    from .bench.isolation import BaselineError, BaselineFormat, read_baseline
     from .bench.report import print_report
     from .bench.run import PROMPTS, BenchConfig, run_bench
 
@@ -143,6 +150,21 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
         raise click.UsageError("--write-baseline and --check-baseline are exclusive: record first, then check")
     if tolerance_psnr is not None and not check_baseline:
         raise click.UsageError(f"--tolerance-psnr {tolerance_psnr:g}: only with --check-baseline")
+    if baseline_format and not write_baseline:
+        raise click.UsageError(f"--baseline-format {baseline_format}: only with --write-baseline (a check reads "
+                               "either)")
+    vllm_omni = baseline_format == BaselineFormat.VLLM_OMNI
+    if check_baseline:
+        try:
+            vllm_omni = read_baseline(check_baseline)[0] == BaselineFormat.VLLM_OMNI
+        except BaselineError as exc:
+            raise click.BadParameter(str(exc), param_hint="--check-baseline")
+        if vllm_omni and tolerance_psnr is not None:
+            raise click.UsageError(f"--tolerance-psnr {tolerance_psnr:g}: {check_baseline} is vllm-omni's baseline, "
+                                   "which keeps no videos to compare")
+    if vllm_omni and quality != "standard":
+        raise click.UsageError(f"--quality {quality}: vllm-omni's baseline keys carry no quality; only with "
+                               "--quality standard")
     if num_requests < 1 or concurrency < 1:
         raise click.UsageError("--num-requests and --concurrency must be at least 1")
     prompts = PROMPTS
@@ -155,6 +177,7 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
                       num_frames=num_frames, steps=steps, quality=quality, timeout=timeout, label=label,
                       peak_tflops=peak_tflops)
     rep = run_bench(cfg, model=model, save_dir=save_dir, baseline_tpm=baseline_tpm, write_baseline=write_baseline,
+                    baseline_format=BaselineFormat(baseline_format or BaselineFormat.REPLICADP),
                     check_baseline=check_baseline, tolerance_psnr=tolerance_psnr)
     print_report(rep)
     if json_out:
@@ -380,14 +403,20 @@ def down():
 @click.option("--steps", default=8, show_default=True)
 @click.option("--model", default="tiny", show_default=True)
 @click.option("--output-dir", default="outputs/demo", show_default=True, type=click.Path(file_okay=False, path_type=Path))
-def demo(num_requests, concurrency, size, num_frames, steps, model, output_dir):
+@redis_url_option(help="Redis to run on (default: an embedded server, started here).", expose=True)
+def demo(num_requests, concurrency, size, num_frames, steps, model, output_dir, redis_url):
     """1 replica records a baseline, 2 replicas replay it under concurrency: throughput and isolation."""
-    from .bench.demo import DemoConfig, run_demo
+    from .bench.demo import DemoConfig, DemoFailed, run_demo
     from .bench.report import print_demo
 
+    if num_requests < 1 or concurrency < 1:
+        raise click.UsageError("--num-requests and --concurrency must be at least 1")
     cfg = DemoConfig(num_requests=num_requests, concurrency=concurrency, width=size[0], height=size[1],
                      num_frames=num_frames, steps=steps, model=model, output_dir=output_dir)
-    reports, iso = run_demo(cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    try:
+        reports, iso = run_demo(cfg, log=lambda m: console.print(f"[dim]{m}[/dim]"), redis_url=redis_url)
+    except (DemoFailed, RuntimeError, TimeoutError) as exc:  # RuntimeError, TimeoutError: replicas that did not start
+        raise click.ClickException(str(exc))
     print_demo(cfg, reports, iso)
     sys.exit(0 if iso["passed"] and all(r["failed"] == 0 for r in reports) else 1)
 
@@ -408,8 +437,9 @@ def demo(num_requests, concurrency, size, num_frames, steps, model, output_dir):
 @click.option("--timeout", default=1800.0, show_default=True)
 @click.option("--out", default="bench-results/sweep", show_default=True, type=click.Path(path_type=Path),
               help="Output prefix: writes PREFIX.json, PREFIX.md and PREFIX.png.")
+@redis_url_option(help="Redis to run on (default: an embedded server, started here).", expose=True)
 def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, base_seed, size, num_frames, steps,
-          timeout, out):
+          timeout, out, redis_url):
     """Run the same bench at each replica count; print the scaling table, write JSON, Markdown and a PNG."""
     from .bench.report import print_sweep
     from .bench.run import BenchConfig
@@ -428,7 +458,8 @@ def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, ba
     cfg = BenchConfig(num_requests=total, concurrency=concurrency, warmup=warmup, base_seed=base_seed,
                       width=size[0], height=size[1], num_frames=num_frames, steps=steps, timeout=timeout)
     reports = run_sweep(ns, cfg, model=model, threads=threads, devices=devices,
-                        log=lambda m: console.print(f"[dim]{m}[/dim]"), env={"HF_HUB_OFFLINE": "1"})
+                        log=lambda m: console.print(f"[dim]{m}[/dim]"), env={"HF_HUB_OFFLINE": "1"},
+                        redis_url=redis_url)
     title = table_title(model, devices, threads, cfg)
     print_sweep(reports, title)
     paths = write_outputs(reports, out, title)
@@ -443,6 +474,10 @@ def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, ba
               help="Requests waiting in the queue past which new ones get 429 (env REPLICADP_HTTP_MAX_QUEUE).")
 @click.option("--sync-timeout", default=1800.0, show_default=True, envvar="REPLICADP_HTTP_SYNC_TIMEOUT",
               help="Seconds a /v1/videos/sync request waits before a 504 (env REPLICADP_HTTP_SYNC_TIMEOUT).")
+@click.option("--shutdown-grace", default=10.0, show_default=True, type=click.FloatRange(min=0),
+              envvar="REPLICADP_HTTP_SHUTDOWN_GRACE",
+              help="Seconds a graceful stop (SIGTERM) waits for /v1/videos/sync requests in flight; those still "
+                   "waiting then get a 503 with their job id and go on running (env REPLICADP_HTTP_SHUTDOWN_GRACE).")
 @click.option("--api-key", "api_keys", multiple=True, envvar="REPLICADP_API_KEYS", metavar="KEY",
               help="A bearer token /v1 accepts; repeat for several (env REPLICADP_API_KEYS, space-separated). "
                    "Without keys the API is open.")
@@ -450,16 +485,15 @@ def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, ba
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A file of API keys, one per line, # comments (env REPLICADP_API_KEYS_FILE).")
 @redis_url_option()
-def serve_http(host, port, max_queue, sync_timeout, api_keys, key_files):
+def serve_http(host, port, max_queue, sync_timeout, shutdown_grace, api_keys, key_files):
     """HTTP front door: vllm-omni's video API (/v1/videos, /v1/videos/sync) in front of the replicas."""
     import logging.config
-
-    import uvicorn
 
     from replicadp_tasks.logs import uvicorn_config
     from replicadp_tasks.settings import SETTINGS
 
     from .http import create_app
+    from .http.app import serve
     from .http.auth import ApiKeyError, read_keys
 
     try:
@@ -477,9 +511,8 @@ def serve_http(host, port, max_queue, sync_timeout, api_keys, key_files):
                     "REPLICADP_API_KEYS)", host, port)
     shown = f"[{host}]" if ":" in host else host
     log.info("web page: http://%s:%d/ui (docs/ui.md)", shown, port)
-    # A sync request still waiting this long after SIGTERM is dropped, and its generation cancelled.
-    uvicorn.run(create_app(max_queue=max_queue, sync_timeout=sync_timeout, api_keys=keys), host=host, port=port,
-                timeout_graceful_shutdown=10, log_config=log_config)
+    serve(create_app(max_queue=max_queue, sync_timeout=sync_timeout, api_keys=keys), host=host, port=port,
+          grace=shutdown_grace, log_config=log_config)
 
 
 @main.command()

@@ -16,7 +16,12 @@ FENCE_KEY = "replicadp:lock:"  # + request_id: the FenceToken of the delivery co
 STORE_KEY = "replicadp:store:"  # + request_id + ".mp4" / ".json": the video and its Result (REPLICADP_STORE=redis)
 
 # --- written by the replica's main process ----------------------------------------------------------------
-ALIVE_KEY = "replicadp:alive:"  # + replica name: heartbeat, expires a lease after its last renewal
+ALIVE_KEY = "replicadp:alive:"  # + replica name: the lease heartbeat (lease.py), expires a lease after its last renewal
+# Who serves (heartbeat.py): sorted sets, replica name -> Redis's time of its last beat (every second), in
+# SERVING_KEY while it consumes the shared queue, in STANDBY_KEY while it does not (its pool child loading)
+SERVING_KEY = "replicadp:serving"
+STANDBY_KEY = "replicadp:standby"
+RUNNING_KEY = "replicadp:running"  # hash, replica name -> JSON heartbeat.Running: the request its pool child runs
 HOLDERS_KEY = "replicadp:holders"  # hash, delivery tag -> replica name holding that message
 STANDBY_PREFIX = "replicadp.standby."  # + replica name: the private queue a replica starts on (worker.py)
 SWEEP_KEY = "replicadp:store-sweep"  # replica name, expiring: the one replica that sweeps the output store now

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from .logs import LogFormat
 from .quantization import Quantize
@@ -86,6 +87,15 @@ def _redis_url() -> str:
         return "redis://127.0.0.1:6379/0"
 
 
+def redacted(url: str) -> str:
+    """A Redis URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password:
+        host = parts.hostname + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=f":***@{host}"))
+    return url
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str
@@ -112,6 +122,7 @@ class Settings:
     max_work: int
     max_attempts: int
     lease_s: int
+    replica_stale_s: int
     redis_outage_s: int
     max_image_bytes: int
     image_timeout_s: int
@@ -191,6 +202,9 @@ class Settings:
             # A replica whose heartbeat is this many seconds old is dead: its requests go back to the queue.
             # Renewed every second by the replica's main process (not the busy child), so 5 ticks may be missed.
             lease_s=_int("REPLICADP_LEASE", 6),
+            # A replica whose serving heartbeat (heartbeat.py, a beat a second) is this many seconds old is no longer
+            # listed as live: a SIGKILLed one drops out within it, a busy one may miss 4 beats.
+            replica_stale_s=_int("REPLICADP_REPLICA_STALE", 5),
             # A replica waits this long for Redis to come back before it fails the request it serves (its result is
             # kept meanwhile: computing a 5B request again costs minutes); a Redis restart takes seconds.
             redis_outage_s=_int("REPLICADP_REDIS_OUTAGE", 300),

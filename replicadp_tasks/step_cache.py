@@ -139,6 +139,21 @@ def read_mag_ratios(path: Path | None, model: str) -> tuple[float, ...]:
     return tuple(float(r) for r in ratios)
 
 
+def count_block_work(transformer) -> dict:
+    """Count the calls of each of the transformer's blocks' self-attention, cross-attention and feed-forward (their
+    first linear layer: a skipped block, attention or step calls none), for as long as the transformer lives: what
+    a fast path skipped, for bench/step_cache.py and the tests. Returns the live counter, {"n": calls}."""
+    calls = {"n": 0}
+
+    def count(*_):
+        calls["n"] += 1
+
+    for block in transformer.blocks:
+        for part in (block.attn1.to_q, block.attn2.to_q, block.ffn.net[0].proj):
+            part.register_forward_pre_hook(count)
+    return calls
+
+
 def calibrate_mag(holder, requests) -> list[float]:
     """MagCache's ratios for the model `holder` (a loaded pipeline.PipelineHolder) serves, on the exact path:
     at each step, the mean over tokens of |residual| / |previous step's residual|, where the residual is what the

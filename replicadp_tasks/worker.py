@@ -6,6 +6,7 @@ private standby queue, and the child, once its model is resident, asks its own m
 shared queue. When the child dies (killed, or past the hard time limit), the main
 process stops consuming the shared queue before it lets go of the request, and the replacement child
 opens it again once it has reloaded the model: meanwhile the request runs on a replica that is ready.
+Whether it consumes the shared queue, the main process tells producers through its heartbeat (heartbeat.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
 
 import redis
 from billiard.exceptions import WorkerLostError
@@ -33,6 +33,7 @@ from kombu.transport import virtual
 
 from . import child, logs, webhooks
 from .app import app
+from .heartbeat import Heartbeat, Running
 from .keys import REPLICA_KEY, STANDBY_PREFIX
 from .lease import FenceKeeper, Keeper
 from .pipeline import PipelineHolder, describe_device
@@ -55,6 +56,7 @@ class MainProcess:
     stopping: object = None  # a RawValue in shared memory, set at shutdown; the pool children read it
     keeper: Keeper | None = None  # the leases (lease.py), ticking in a thread
     consumer: object = None  # Celery's consumer, to stop consuming the shared queue
+    heartbeat: Heartbeat | None = None  # whether it serves (heartbeat.py), beating in a thread
     events: redis.Redis | None = None  # queues a failed request's webhook event; inherited by the pool children
 
 
@@ -70,41 +72,6 @@ def _start_on_standby(sender, instance, conf, **_):
     # key `video`, and a request published through that exchange would be copied into every standby queue.
     standby = STANDBY_PREFIX + sender
     conf.task_queues = [Queue(standby, Exchange(standby), routing_key=standby)]
-
-
-def redis_address(url: str):
-    """What names one Redis database in a URL, to compare two: scheme, host, port (default 6379), DB (default 0),
-    user and password. Hosts are compared as written, never resolved: localhost and 127.0.0.1 differ. A URL that
-    is not one redis:// or rediss:// server (Sentinel, a failover list, a socket) is compared as written."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss") or ";" in url:
-        return url
-    try:
-        port = parts.port or 6379
-    except ValueError:  # not a number: Celery refuses it itself
-        return url
-    db = parts.path.strip("/") or parse_qs(parts.query).get("db", ["0"])[0]
-    return (parts.scheme, (parts.hostname or "localhost").lower(), port, db, parts.username or None,
-            parts.password or None)
-
-
-@signals.worker_init.connect
-def _one_redis(sender, **_):
-    """In the main process, before it connects to anything: refuse to start when Celery's broker or result
-    backend (after `-b`, `--result-backend`, CELERY_BROKER_URL, CELERY_RESULT_BACKEND) is not the Redis of
-    SETTINGS.redis_url, which the leases, fences and output store use: the queue would silently be on one server
-    and the rest on another."""
-    conf = sender.app.conf
-    ours = redis_address(SETTINGS.redis_url)
-    wrong = [(what, url) for what, url in (("broker", conf.broker_url), ("result backend", conf.result_backend))
-             if redis_address(url or "") != ours]
-    if wrong:
-        from client.api import redacted  # the client's own redaction: no password in a message
-
-        given = "; ".join(f"Celery's {what} is {redacted(url or '')!r}" for what, url in wrong)
-        raise SystemExit(f"replicadp: {given}, but replicadp's Redis (REDIS_URL, else `replicadp up`'s server) is "
-                         f"{redacted(SETTINGS.redis_url)!r}. One Redis serves both: set REDIS_URL to it and drop "
-                         "`-b` / `--result-backend` / CELERY_BROKER_URL / CELERY_RESULT_BACKEND.")
 
 
 @signals.worker_ready.connect
@@ -123,6 +90,33 @@ def _stopping(**_):
     stopping main process no longer gives (it would hang the warm shutdown until SIGKILL)."""
     if MAIN.stopping is not None:
         MAIN.stopping.value = 1
+
+
+def _consuming() -> bool:
+    """Whether this replica takes requests from the shared queue now: not once it is stopping, nor while its
+    consumer is being rebuilt (a broker reconnect). Read from the heartbeat's thread: lookups only."""
+    tasks = getattr(MAIN.consumer, "task_consumer", None)
+    return not MAIN.stopping.value and tasks is not None and tasks.consuming_from(SETTINGS.queue)
+
+
+def _running() -> Running | None:
+    """The request the pool child runs, if any (one: concurrency 1)."""
+    # A copy: the event loop changes the set meanwhile (set.copy runs no Python code, so it is not interrupted).
+    started = [req for req in worker_state.active_requests.copy() if req.time_start]
+    return Running(task_id=started[0].id, started_at=started[0].time_start) if started else None
+
+
+@signals.worker_ready.connect
+def _beat(**_):
+    """In the main process, once its consumer runs: the heartbeat that tells producers whether it serves."""
+    MAIN.heartbeat = Heartbeat(MAIN.name, SETTINGS.redis_url, SETTINGS.replica_stale_s, _consuming, _running).start()
+
+
+@signals.worker_shutdown.connect
+def _leave(**_):
+    """In the main process, at the end of a shutdown: out of the heartbeats now, not once its beat is stale."""
+    if MAIN.heartbeat is not None:
+        MAIN.heartbeat.leave()
 
 
 @signals.celeryd_init.connect

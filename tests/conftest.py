@@ -14,11 +14,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 # Before anything imports replicadp_tasks.settings (read once): no hub, and state, model cache and
-# outputs in a folder of the session's own, never the user's `replicadp up` state.
-SESSION_DIR = Path(tempfile.mkdtemp(prefix="replicadp-tests-"))
+# outputs in a folder of the session's own, never the user's `replicadp up` state. Under pytest-xdist
+# (`make test` runs workers in parallel) each worker's session folder lies inside the controller's, which
+# removes them all at its end, and the workers share one model cache: the tiny model is built once a run.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    RUN_DIR = Path(os.environ["REPLICADP_TESTS_RUN_DIR"])
+    SESSION_DIR = Path(tempfile.mkdtemp(prefix=f"{os.environ['PYTEST_XDIST_WORKER']}-", dir=RUN_DIR))
+else:
+    RUN_DIR = SESSION_DIR = Path(tempfile.mkdtemp(prefix="replicadp-tests-"))
+    os.environ["REPLICADP_TESTS_RUN_DIR"] = str(RUN_DIR)  # inherited by the xdist workers
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["REPLICADP_STATE_DIR"] = str(SESSION_DIR / "state")
-os.environ["REPLICADP_MODEL_CACHE"] = str(SESSION_DIR / "models")
+os.environ["REPLICADP_MODEL_CACHE"] = str(RUN_DIR / "models")
 os.environ["OUTPUT_DIR"] = str(SESSION_DIR / "outputs")
 os.environ.pop("REDIS_URL", None)
 # The temp files of every process the tests start, too: Celery's prefork pool keeps a pymp-* folder per replica,
@@ -42,6 +49,31 @@ def pytest_configure(config):
     tests)."""
     if config.option.basetemp is None:
         config.option.basetemp = str(SESSION_DIR / "pytest")
+
+
+# Tests that use these start replicas, or the servers and models that replicas need: marked `cluster` and left
+# out of `make quick`. A test that starts replicas without one of them says so with @pytest.mark.cluster; in every
+# run, start_replicas refuses to start replicas for a test not so marked, so that the quick loop stays quick.
+CLUSTER_FIXTURES = {"redis_db", "redis_server", "replicas", "tiny_model", "clean_env", "s3_server"}
+# The files that take minutes (measured: docs/benchmarks.md, the suite's figures) go to the xdist workers first,
+# so that none of them starts last and keeps the run waiting on one worker.
+LONGEST_FIRST = ["test_faults.py", "test_gpu_check.py", "test_isolation.py", "test_hostile.py", "test_step_cache.py",
+                 "test_cli.py", "test_ops.py", "test_embedded.py"]
+_RUNNING = {"cluster": False}  # whether the test being set up now is marked `cluster`
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if CLUSTER_FIXTURES & set(item.fixturenames):
+            item.add_marker("cluster")
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures, module-scoped ones included, are set up."""
+    _RUNNING["cluster"] = item.get_closest_marker("cluster") is not None
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -83,6 +115,8 @@ def tiny_model():
 
 def start_replicas(n: int, redis_url: str, name: str, model: str = "tiny", **env) -> Replicas:
     """`n` replicas (one CPU thread each) of `model` on `redis_url`, started and serving; `env`: their settings."""
+    if not _RUNNING["cluster"]:
+        raise RuntimeError(f"replicas {name!r} started by a test not marked cluster: mark it @pytest.mark.cluster")
     return Replicas(n, redis_url=redis_url, model=model, threads=1, env=env,
                     log_path=SESSION_DIR / "logs" / f"{name}.log").start(timeout=180)
 

@@ -51,3 +51,83 @@ def test_sweep_prints_and_writes_table_json_markdown_png(tmp_path, tiny_model):
     assert "| 2 |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res"]  # the sweep's run folder is gone
+
+
+def test_vllm_omnis_baseline_is_written_and_checked(redis_db, tmp_path):
+    """vllm-omni's isolation baseline (bench_replica_dp.py's manifest: prompt, seed, WIDTHxHEIGHT, frames and
+    steps joined by the unit separator -> MD5 of the MP4 that POST /v1/videos/sync answered), made the way that
+    script makes it, against replicadp's gateway one request at a time: `bench --write-baseline --baseline-format
+    vllm-omni` writes the same manifest, `bench --check-baseline` reads it and passes at concurrency 2, and by
+    that script's rules an altered hash is a mismatch, an output the baseline lacks unknown and a baseline input
+    the run did not make unverified, each failing the check (exit 1)."""
+    import hashlib
+
+    from test_http import gateway
+
+    url = redis_db()
+    prompts = ["a lighthouse in a storm", "a kite over a beach"]
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join([prompts[0], "", prompts[1]]) + "\n")  # blank lines are skipped by both
+    size, frames, steps, count = "64x64", "5", "2", 4
+    theirs = {}
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([REPLICADP, "bench", "--num-requests", str(count), "--prompts-file", str(prompts_file),
+                               "--size", size, "--num-frames", frames, "--steps", steps, *args],
+                              env={**os.environ, "REDIS_URL": url}, capture_output=True, text=True, timeout=300)
+
+    group = start_replicas(2, url, "vllm-omni-baseline", model="synthetic:20")
+    try:
+        with gateway(url, "vllm-omni-baseline") as gw:  # bench_replica_dp.py's step 1: its requests, its manifest
+            for i in range(count):
+                prompt, seed = prompts[i % len(prompts)], str(42 + i)
+                form = {"prompt": prompt, "size": size, "num_frames": frames, "num_inference_steps": steps,
+                        "seed": seed}
+                r = gw.client.post("/v1/videos/sync", files={k: (None, v) for k, v in form.items()})
+                assert r.status_code == 200, r.text
+                theirs["\x1f".join([prompt, seed, size, frames, steps])] = hashlib.md5(r.content).hexdigest()
+        (tmp_path / "theirs.json").write_text(json.dumps(theirs, indent=2))
+        written = bench("--concurrency", "1", "--write-baseline", str(tmp_path / "ours.json"),
+                        "--baseline-format", "vllm-omni")
+        checked = bench("--concurrency", "2", "--check-baseline", str(tmp_path / "theirs.json"),
+                        "--json", str(tmp_path / "checked.json"))
+        altered = dict(theirs)
+        keys = list(altered)
+        altered[keys[0]] = "0" * 32  # another video
+        del altered[keys[1]]  # an input it never saw
+        altered["\x1f".join([prompts[0], "99", size, frames, steps])] = "f" * 32  # an input this run does not make
+        (tmp_path / "altered.json").write_text(json.dumps(altered, indent=2))
+        failed = bench("--concurrency", "2", "--check-baseline", str(tmp_path / "altered.json"),
+                       "--json", str(tmp_path / "failed.json"))
+    finally:
+        group.stop()
+    assert written.returncode == 0, written.stdout + written.stderr
+    assert json.loads((tmp_path / "ours.json").read_text()) == theirs
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    iso = json.loads((tmp_path / "checked.json").read_text())["isolation"]
+    assert (iso["format"], iso["matched"], iso["passed"]) == ("vllm-omni", count, True), iso
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    iso = json.loads((tmp_path / "failed.json").read_text())["isolation"]
+    assert {k: iso[k] for k in ("matched", "mismatched", "unknown", "unverified", "passed")} == {
+        "matched": 2, "mismatched": 1, "unknown": 1, "unverified": 1, "passed": False}, iso
+    assert iso["not_verified"] == [{"prompt": prompts[0], "seed": 99}]
+    assert "mp4_md5 differ" in failed.stdout and "not verified seed=99" in failed.stdout
+
+
+def test_baseline_format_mistakes_are_usage_errors(tmp_path):
+    """Before anything is sent (exit 2, no Redis needed): --baseline-format without --write-baseline, a file that
+    is neither kind of baseline, and a vllm-omni baseline with what it cannot hold (a quality, the videos that
+    --tolerance-psnr compares)."""
+    theirs, other = tmp_path / "theirs.json", tmp_path / "other.json"
+    theirs.write_text(json.dumps({"\x1f".join(["a fox", "42", "64x64", "5", "2"]): "0" * 32}, indent=2))
+    other.write_text(json.dumps(["not", "a", "baseline"]))
+    cases = [(["--baseline-format", "vllm-omni"], "only with --write-baseline"),
+             (["--check-baseline", str(other)], "neither replicadp's baseline"),
+             (["--check-baseline", str(theirs), "--quality", "mixed"], "vllm-omni's baseline keys carry no quality"),
+             (["--write-baseline", str(tmp_path / "w.json"), "--baseline-format", "vllm-omni", "--quality", "fast"],
+              "carry no quality"),
+             (["--check-baseline", str(theirs), "--tolerance-psnr", "30"], "keeps no videos")]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    for args, message in cases:
+        run = subprocess.run([REPLICADP, "bench", *args], env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and message in " ".join(run.stderr.split()), (args, run.stderr)

@@ -13,13 +13,14 @@ from urllib.parse import urlsplit
 
 import av
 import pytest
+import redis
 
 from client.api import _app_for, live_replicas
 from client.local.replicas import plan, stop_group
 from conftest import SESSION_DIR, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from replicadp_tasks.records import RequestState
-from replicadp_tasks.worker import redis_address
+from replicadp_tasks.app import redis_address
 from test_embedded import REPLICADP, started_with
 
 CELERY = str(Path(sys.executable).parent / "celery")
@@ -252,3 +253,54 @@ def test_a_replica_refuses_a_broker_other_than_its_redis(redis_db, tmp_path):
     finally:
         stop_group(proc.pid, 60, proc)
         proc.wait()
+
+
+def test_a_producer_refuses_a_broker_other_than_its_redis(redis_db):
+    """A client whose CELERY_BROKER_URL or CELERY_RESULT_BACKEND names another Redis than its REDIS_URL (Celery lets
+    those variables win over the configured URLs) sends nothing: `run_requests` in a process of its own, and
+    `replicadp generate --redis-url` (with the variable naming REDIS_URL's Redis), exit 1 naming both URLs with
+    their passwords hidden and the fix, without a traceback, and the other Redis stays empty."""
+    url, other = redis_db(), redis_db()
+    password = urlsplit(url).password
+    code = ("from client.api import run_requests; "
+            "print([o.error for o in run_requests([{'prompt': 'x'}], concurrency=1, timeout=3)])")
+    runs = [(what, subprocess.run([sys.executable, "-c", code], env={**os.environ, "REDIS_URL": url, variable: other},
+                                  capture_output=True, text=True, timeout=120))
+            for what, variable in (("broker", "CELERY_BROKER_URL"), ("result backend", "CELERY_RESULT_BACKEND"))]
+    runs.append(("broker", subprocess.run(
+        [REPLICADP, "generate", "x", *SMALL, "--timeout", "3", "--redis-url", url],
+        env={**os.environ, "REDIS_URL": other, "CELERY_BROKER_URL": other}, capture_output=True, text=True,
+        timeout=120)))
+    for what, run in runs:
+        output = run.stdout + run.stderr
+        assert run.returncode == 1, output
+        assert f"replicadp: Celery's {what} is 'redis://:***@127.0.0.1:" in run.stderr, output
+        assert f"/{other.rsplit('/', 1)[1]}', but replicadp's Redis (REDIS_URL, else `replicadp up`'s server) is " \
+               f"'redis://:***@127.0.0.1:{urlsplit(url).port}/{url.rsplit('/', 1)[1]}'" in run.stderr, output
+        assert "set REDIS_URL" in run.stderr and password not in output and "Traceback" not in output
+        assert redis.Redis.from_url(other).dbsize() == 0
+
+
+def test_demo_and_sweep_take_redis_url_over_the_environment(redis_db, clean_env, tmp_path, tiny_model):
+    """`sweep --redis-url URL` and `demo --redis-url URL` run their replicas and requests on URL, not on REDIS_URL
+    (here a port nothing listens on), and start no server of their own: the sweep completes with its results in
+    URL's DB; the demo's requests reach its replica there (each refused for its size, the replica's own error).
+    Neither leaves a process or temp folder behind."""
+    env, tmp = clean_env
+    env["REDIS_URL"] = "redis://127.0.0.1:1/0"
+    url = redis_db()
+    out = tmp_path / "res" / "sweep"
+    sweep = subprocess.run([REPLICADP, "sweep", "--redis-url", url, "--replicas", "1", "--model", SYNTHETIC,
+                            "--size", "64x64", "--num-frames", "5", "--steps", "2", "--num-requests", "2", "--out",
+                            str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+    assert [r["completed"] for r in json.loads(out.with_suffix(".json").read_text())] == [2]
+    assert redis.Redis.from_url(url).keys("celery-task-meta-*")
+    demo = subprocess.run([REPLICADP, "demo", "--redis-url", url, "--num-requests", "2", "--size", "48x48",
+                           "--num-frames", "9", "--steps", "4", "--output-dir", str(tmp_path / "videos")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert demo.returncode == 1, demo.stdout + demo.stderr
+    assert "every request of the 1-replica phase failed: InvalidRequest: " in demo.stderr, demo.stderr
+    assert "embedded Valkey" not in demo.stdout
+    assert started_with(tmp) == set()
+    assert list(tmp.iterdir()) == []

@@ -179,3 +179,35 @@ def test_embedded_server_wants_the_password_and_listens_on_loopback(redis_server
     assert client.config_get("bind")["bind"] == "127.0.0.1"
     assert client.config_get("appendonly")["appendonly"] == "yes"
     assert client.config_get("appendfsync")["appendfsync"] == "always"
+
+
+def test_demo_whose_first_phase_fails_every_request_says_why_and_cleans_up(clean_env, tmp_path, tiny_model):
+    """A demo whose every 1-replica request fails (48x48: a size the tiny model's replica refuses, not being a
+    multiple of 32) ends with exit 1 and one line naming the phase and the first request's error, without a
+    traceback, and leaves no process or temp folder behind."""
+    env, tmp = clean_env
+    run = subprocess.run([REPLICADP, "demo", "--num-requests", "2", "--size", "48x48", "--num-frames", "9",
+                          "--steps", "4", "--output-dir", str(tmp_path / "videos")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, output
+    assert "Error: every request of the 1-replica phase failed: InvalidRequest: " in run.stderr, output
+    assert "=48: must be a multiple of 32 for this model" in run.stderr, output
+    assert "Traceback" not in output
+    assert started_with(tmp) == set()
+    assert list(tmp.iterdir()) == []
+
+
+def test_demo_leaves_no_torch_cache_folder_in_its_temp_folder(clean_env, tmp_path, tiny_model):
+    """Importing diffusers creates torch's inductor cache folder (`$TMPDIR/torchinductor_<user>`, empty) in every
+    process that does: a demo run as a user runs it (no TORCHINDUCTOR_CACHE_DIR; this test process's own, which
+    torch put in the environment, is dropped) leaves none in the temp folder it was given, nor anything else."""
+    env, tmp = clean_env
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    run = subprocess.run([REPLICADP, "demo", "--num-requests", "2", "--size", "64x64", "--num-frames", "9",
+                          "--steps", "4", "--output-dir", str(tmp_path / "videos")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert list(tmp.glob("torchinductor_*")) == []
+    assert list(tmp.iterdir()) == []
+    assert started_with(tmp) == set()

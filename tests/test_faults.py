@@ -279,6 +279,7 @@ def running_requests(client: redis.Redis) -> list[dict]:
     return [m["result"] for m in metas if m.get("status") == RequestState.PROGRESS]
 
 
+@pytest.mark.cluster
 def test_redis_killed_and_restarted_loses_nothing(tmp_path):
     """SIGKILL of the Redis server (append-only file on) while requests are queued and running (6 of 2 s each
     on 2 replicas), restarted on the same port 2 s later: the replicas and the client reconnect by themselves and
@@ -311,6 +312,7 @@ def test_redis_killed_and_restarted_loses_nothing(tmp_path):
     assert duplicates == 0
 
 
+@pytest.mark.cluster
 def test_result_computed_during_a_long_redis_outage_is_kept(tmp_path):
     """Redis killed while two requests run and kept down for 40 s (longer than the ~30 s a replica used to wait,
     less than REPLICADP_REDIS_OUTAGE=120): both replicas finish computing meanwhile, keep their results, and
@@ -347,6 +349,7 @@ def _parent_or_none(pid: int) -> int | None:
         return None
 
 
+@pytest.mark.cluster
 def test_replacement_child_rides_out_a_redis_restart_before_its_replica_consumes(tmp_path):
     """The only replica's pool child killed mid-request; its replacement loads the model, then asks its main
     process to reopen the shared queue, and Redis restarts while it is asking (made certain here by stopping the

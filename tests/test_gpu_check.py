@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# The script starts replicas of its own and takes minutes.
+pytestmark = pytest.mark.cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = re.compile(r"/tmp/replicadp-gpu-check\.\w+")  # the folder each run of the script makes
 

@@ -549,3 +549,58 @@ def test_a_bad_api_key_stops_the_gateway_from_starting(redis_db, tmp_path):
     run = subprocess.run([REPLICADP, "serve-http", "--api-keys-file", str(keys_file)], capture_output=True,
                          text=True, env={**os.environ, "REDIS_URL": redis_db()}, timeout=60)
     assert run.returncode == 2 and f"{keys_file}:2" in run.stderr and "bad key" not in run.stderr, run.stderr
+
+
+def gateway_pid(gw) -> int:
+    """The PID of a gateway this process started (`gateway`): the child whose command line serves its port."""
+    from helpers import parent_of
+
+    port = gw.url.rsplit(":", 1)[1].encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"serve-http" in args and port in args and parent_of(int(proc.name)) == os.getpid():
+                return int(proc.name)
+        except (OSError, ValueError):  # not a process, or one that has just ended
+            continue
+    raise LookupError(f"no gateway process of this test serves {gw.url}")
+
+
+def test_a_graceful_stop_answers_sync_requests_in_time_or_hands_them_over_as_jobs(slow):
+    """SIGTERM to a gateway (one of its own, in front of `slow`'s replica) with two sync requests in flight: the
+    one that ends within the grace (REPLICADP_HTTP_SHUTDOWN_GRACE, 6 s) gets its video; the one still waiting then
+    gets a 503 `shutting_down` with Retry-After and its job id, not a 500, and is not cancelled: it completes on
+    the replica, and another gateway of the same Redis serves it as a job (completed, its MP4)."""
+    import signal
+
+    from helpers import queue_depth
+
+    client = redis.Redis.from_url(slow.redis_url)
+    before = set(client.keys("celery-task-meta-*"))
+
+    def running() -> bool:
+        metas = [json.loads(client.get(k)) for k in set(client.keys("celery-task-meta-*")) - before]
+        return any(m["status"] in (RequestState.STARTED, RequestState.PROGRESS) for m in metas)
+
+    short = form_of(lasting(1, prompt="ends within the grace"))
+    outlasting = form_of(lasting(12, prompt="outlasts the grace"))
+    with gateway(slow.redis_url, "stopping", REPLICADP_HTTP_SHUTDOWN_GRACE="6") as gw, ThreadPoolExecutor(2) as pool:
+        def sync(form):
+            return httpx.post(f"{gw.url}/v1/videos/sync", files=multipart(form), timeout=60)
+
+        first = pool.submit(sync, short)
+        wait_for(running, "the first sync request to run")
+        second = pool.submit(sync, outlasting)  # waits in the queue behind the first (one replica)
+        wait_for(lambda: queue_depth(client) == 1, "the second sync request to be queued")
+        os.kill(gateway_pid(gw), signal.SIGTERM)
+        ended, handed_over = first.result(), second.result()
+    assert ended.status_code == 200 and mp4_frames(ended.content)[0] == 5, ended.text
+    assert handed_over.status_code == 503, handed_over.text
+    error, job_id = handed_over.json()["error"], handed_over.headers["x-request-id"]
+    assert error["code"] == "shutting_down" and error["type"] == "server_error"
+    assert f"GET /v1/videos/{job_id}" in error["message"] and int(handed_over.headers["retry-after"]) > 0
+    job = wait_for(job_once(slow, job_id, lambda j: j["status"] not in ("queued", "in_progress")),
+                   f"job {job_id} to end")
+    assert job["status"] == "completed" and job["prompt"] == "outlasts the grace", job
+    content = slow.client.get(f"/v1/videos/{job_id}/content")
+    assert content.status_code == 200 and mp4_frames(content.content)[0] == 5

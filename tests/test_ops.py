@@ -496,3 +496,117 @@ def test_replicas_on_two_hosts_share_one_redis(two_hosts, tiny_model, tmp_path):
         for o in outcomes:
             assert o.result["video_uri"].startswith("redis-key:")
             assert fetch_video(o.result["video_uri"], url)[4:8] == b"ftyp"
+
+
+def test_metrics_give_the_next_requests_age_under_its_name_and_the_old_one(redis_db):
+    """replicadp_queue_next_age_seconds is the age of the request a replica takes next, not of the oldest: with a
+    batch request sent 1000 s ago and an interactive one sent 10 s ago (their send stamps), it is the interactive
+    one's; the deprecated replicadp_queue_oldest_age_seconds, named for what it never measured, gives the same
+    value."""
+    url = redis_db()
+    proc, port = start_exporter(url)
+    try:
+        now = time.time()
+        for seed, (priority, age) in enumerate((("batch", 1000), ("interactive", 10))):
+            _app_for(url).send_task("replicadp.generate", kwargs={**TINY, "seed": seed, "priority": priority},
+                                    headers={"replicadp_sent_at": now - age})
+        m = scrape(port)
+        assert 10 <= m[("replicadp_queue_next_age_seconds", ())] <= 10 + (time.time() - now)
+        assert m[("replicadp_queue_oldest_age_seconds", ())] == m[("replicadp_queue_next_age_seconds", ())]
+    finally:
+        stop(proc)
+
+
+# --- who serves: the replicas' heartbeats (replicadp_tasks/heartbeat.py) -----------------------------------
+
+def replicadp_status(url: str) -> str:
+    run = subprocess.run([REPLICADP, "status"], env={**os.environ, "REDIS_URL": url}, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_a_killed_replica_drops_out_of_the_live_replicas_within_the_bound(redis_db, tmp_path):
+    """SIGKILL of a replica's main process (its supervisor held, so that nothing restarts it under the same name):
+    nothing takes it out of the heartbeats, yet live_replicas and `status` stop listing it within
+    REPLICADP_REPLICA_STALE of the kill; its last beat is still in Redis, so it is the readers' bound that
+    dropped it."""
+    from helpers import parent_of
+    from replicadp_tasks.keys import SERVING_KEY
+
+    url = redis_db()
+    group = start_replicas(1, url, "killed-heartbeat", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path))
+    name, client = group.names[0], redis.Redis.from_url(url)
+    try:
+        assert live_replicas(url=url) == [name]
+        main = parent_of(json.loads(client.get(REPLICA_KEY + name))["pid"])
+        supervisor = parent_of(main)  # worker_launch.sh's loop for this replica, a subshell
+        os.kill(supervisor, signal.SIGSTOP)
+        try:
+            os.kill(main, signal.SIGKILL)
+            killed = time.monotonic()
+            wait_for(lambda: name not in live_replicas(url=url), f"{name} to drop out of the live replicas",
+                     timeout=SETTINGS.replica_stale_s + 30, interval=0.05)
+            gone_s = time.monotonic() - killed
+            beat = client.zscore(SERVING_KEY, name)
+            status = replicadp_status(url)
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
+    finally:
+        group.stop()
+    print(f"\n{name} dropped out {gone_s:.2f} s after its SIGKILL (bound {SETTINGS.replica_stale_s} s)")
+    assert beat is not None
+    assert gone_s <= SETTINGS.replica_stale_s + 1.0
+    assert name not in status and "no live replica" in status, status
+
+
+def test_a_replica_reloading_its_model_is_not_live_until_it_consumes_again(redis_db, tmp_path):
+    """A replica's pool child SIGKILLed mid-request: while the replacement child loads the model (held with
+    SIGSTOP here, so that the reload lasts as long as the test needs), the replica is live but not serving
+    (`status` says "no") and live_replicas leaves it out; resumed, it is listed again only once its main process
+    consumes the shared queue (Celery's own answer to a broadcast says so), with the new child's model, and the
+    requeued request completes on it. The tiny model: the new child's load (it imports torch) outlasts the
+    moment the test takes to stop it."""
+    from contextlib import suppress
+
+    from helpers import parent_of, tiny_request_lasting, wait_for_step
+    from replicadp_tasks.heartbeat import read
+
+    url = redis_db()
+    group = start_replicas(1, url, "reload-heartbeat", OUTPUT_DIR=str(tmp_path))
+    name, client, app = group.names[0], redis.Redis.from_url(url), _app_for(url)
+    replacement = None
+    try:
+        request = {"prompt": "through a reload", **tiny_request_lasting(3, lambda r: run_client_on(url, [r], 1)[0].result)}
+        result = app.send_task("replicadp.generate", kwargs=request)
+        killed = wait_for_step(SimpleNamespace(app=app), result.id, 1)["pid"]
+        main = parent_of(killed)
+        os.kill(killed, signal.SIGKILL)
+
+        def new_child():
+            for proc in Path("/proc").glob("[0-9]*"):
+                try:
+                    if int(proc.name) != killed and parent_of(int(proc.name)) == main:
+                        return int(proc.name)
+                except (OSError, IndexError):  # gone meanwhile
+                    pass
+            return None
+
+        replacement = wait_for(new_child, "a replacement pool child", interval=0.005)
+        os.kill(replacement, signal.SIGSTOP)
+        assert json.loads(client.get(REPLICA_KEY + name))["pid"] == killed, "the new child loaded before it was stopped"
+        wait_for(lambda: name not in live_replicas(url=url), f"{name} to stop serving", timeout=30, interval=0.05)
+        assert name in read(client, SETTINGS.replica_stale_s).standby
+        row = next(line for line in replicadp_status(url).splitlines() if name in line)
+        assert "│ no " in row, row
+        os.kill(replacement, signal.SIGCONT)
+        wait_for(lambda: name in live_replicas(url=url), f"{name} to serve again", timeout=120, interval=0.05)
+        queues = app.control.inspect(destination=[name], timeout=10).active_queues() or {}
+        assert SETTINGS.queue in [q["name"] for q in queues.get(name, [])], queues
+        assert json.loads(client.get(REPLICA_KEY + name))["pid"] == replacement
+        assert result.get(timeout=120)["replica"] == name
+    finally:
+        if replacement is not None:
+            with suppress(ProcessLookupError):
+                os.kill(replacement, signal.SIGCONT)
+        group.stop()

@@ -16,7 +16,7 @@ from test_isolation import protocol
 from replicadp_tasks.errors import InvalidRequest, ModelLoadError, RequestCancelled
 from replicadp_tasks.pipeline import PipelineHolder
 from replicadp_tasks.quantization import Quantize
-from replicadp_tasks.step_cache import CacheMethod, StepCache, mag_ratios_file
+from replicadp_tasks.step_cache import CacheMethod, StepCache, count_block_work, mag_ratios_file
 from replicadp_tasks.validate import input_key, validate_request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,19 +115,24 @@ def interrupted(h: PipelineHolder, request) -> None:
 def test_a_fast_requests_output_does_not_depend_on_what_ran_before(method, tiny_model, mag_ratios):
     """On one replica's pipeline, a fast request gives the same frames first, after another fast request (other
     prompt, seed and step count), after a fast request stopped half-way (cancelled: its cache state is left
-    mid-request), and after a standard one; the fast path skips work (its frames differ from the exact path's),
-    and a standard request on a deployment with a cache gives the exact path's frames."""
+    mid-request), and after a standard one; the fast path skips work (at KNOBS' knob it calls fewer of the
+    transformer's blocks than the exact path, and its frames differ), and a standard request on a deployment
+    with a cache gives the exact path's frames."""
     h = holder(tiny_model, method, mag_ratios)
+    calls = count_block_work(h.pipe.transformer)
     first = h.generate(req("fast"))
+    fast_work = calls["n"]
     h.generate(req("fast", prompt="a blue car at night", seed=9, num_inference_steps=6))
     after_fast = h.generate(req("fast"))
     interrupted(h, req("fast", prompt="a blue car at night", seed=9))
     after_cancelled = h.generate(req("fast"))
+    before = calls["n"]
     standard = h.generate(req("standard"))
+    standard_work = calls["n"] - before
     after_standard = h.generate(req("fast"))
     assert np.array_equal(first, after_fast) and np.array_equal(first, after_cancelled)
     assert np.array_equal(first, after_standard)
-    assert not np.array_equal(first, standard)
+    assert fast_work < standard_work and not np.array_equal(first, standard)
     assert np.array_equal(standard, holder(tiny_model).generate(req("standard")))
     assert not h.pipe.transformer.is_cache_enabled  # nothing of the fast path stays installed between requests
 
@@ -169,12 +174,21 @@ def test_isolation_protocol_with_standard_and_fast_interleaved(isa, redis_db, ti
     """The isolation protocol with MagCache on: 16 distinct inputs, standard and fast in turn, made by one replica
     one at a time (the baseline), then by two other replica processes at concurrency 4: all 16 match bit for bit,
     both replicas take part, and each result says which path ran. On the machine's own instruction set and with
-    AVX2 forced (test_isolation.py's reason)."""
+    AVX2 forced (test_isolation.py's reason). The fast path the replicas served really skips work: here, the same
+    cache on one of their fast inputs calls fewer of the transformer's blocks than the exact path, and its frames
+    differ (MagCache picks the steps it skips from its ratios, threshold and step count alone, not from the input
+    nor the instruction set)."""
     env = {"OUTPUT_DIR": str(tmp_path / "out"), "REPLICADP_CACHE": "mag", "REPLICADP_MAG_RATIOS": str(mag_ratios),
            **(AVX2 if isa == "avx2" else {})}
     protocol(redis_db(), f"step-cache-{isa}", tmp_path, env, "--steps", "8", "--quality", "mixed")
     stored = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]  # the output store's Results
     assert len(stored) == 16 + 4 + 16  # the baseline's requests, the check's warm-ups (its concurrency) and its own
     assert sorted(r["params"]["quality"] for r in stored) == ["fast"] * 18 + ["standard"] * 18
-    assert {r["params"]["quality"]: r["served"] for r in stored} == {"standard": {},
-                                                                     "fast": {"cache": "mag threshold=0.06"}}
+    h = holder(tiny_model, CacheMethod.MAG, mag_ratios)
+    assert {r["params"]["quality"]: r["served"] for r in stored} == {"standard": {}, "fast": h.served("fast")}
+    fast = next(r["params"] for r in stored if r["params"]["quality"] == "fast")
+    calls = count_block_work(h.pipe.transformer)
+    exact = h.generate(req("standard", prompt=fast["prompt"], seed=fast["seed"]))
+    exact_work = calls["n"]
+    cached = h.generate(req("fast", prompt=fast["prompt"], seed=fast["seed"]))
+    assert calls["n"] - exact_work < exact_work and not np.array_equal(exact, cached)

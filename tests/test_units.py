@@ -168,3 +168,22 @@ def test_worker_launch_lets_replicas_share_a_gpu_when_asked():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_the_worker_side_imports_nothing_of_the_client_side():
+    """No module of replicadp_tasks (nor celeryconfig.py), at its top or inside a function, imports the `client`
+    package: a replica must run without the producer side (and its imports) in its processes."""
+    import ast
+
+    root = Path(__file__).parent.parent
+    found = []
+    for path in [*sorted((root / "replicadp_tasks").rglob("*.py")), root / "celeryconfig.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "client"]
+    assert not found, found

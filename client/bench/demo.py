@@ -29,10 +29,15 @@ class DemoConfig:
     output_dir: Path = Path("outputs/demo")
 
 
-def run_demo(cfg: DemoConfig, log) -> tuple[list[dict], dict]:
-    """Returns (one report per phase, the isolation result)."""
+class DemoFailed(Exception):
+    """Raised when every request of the demo's 1-replica phase failed: there is no baseline to measure scaling
+    or isolation against. The message names the phase and the first request's error."""
+
+
+def run_demo(cfg: DemoConfig, log, redis_url: str | None = None) -> tuple[list[dict], dict]:
+    """Returns (one report per phase, the isolation result). On `redis_url` if given, else an embedded server."""
     with ExitStack() as stack:
-        run_dir, url = scratch_run(stack, "replicadp-demo-", log)
+        run_dir, url = scratch_run(stack, "replicadp-demo-", redis_url, log)
         if cfg.model.startswith("tiny"):
             from replicadp_tasks.pipeline import resolve_model
 
@@ -50,6 +55,8 @@ def run_demo(cfg: DemoConfig, log) -> tuple[list[dict], dict]:
                                     steps=cfg.steps, timeout=300, label=f"{n} replica(s)")
                 rep = run_bench(bench, write_baseline=baseline if n == 1 else None,
                                 check_baseline=baseline if n == 2 else None)
+                if not reports and not rep["completed"]:
+                    raise DemoFailed(f"every request of the 1-replica phase failed: {rep['errors'][0]['error']}")
                 add_scaling(rep, (reports[0] if reports else rep)["videos_per_min"])
                 reports.append(rep)
         return reports, {**reports[1]["isolation"], "output_dir": str(output_dir)}

@@ -1,11 +1,18 @@
 """The isolation check: a baseline records each input's output (made with one replica, one request at a time);
 a check replays the same inputs under concurrency and compares them, input by input (`bench --write-baseline`,
-`--check-baseline`, and the demo)."""
+`--check-baseline`, and the demo).
+
+A baseline is replicadp's (both hashes and the MP4 of each input, for the PSNR of a mismatch) or vllm-omni's
+(`bench_replica_dp.py`'s manifest: input key -> MD5 of the MP4), read and written alike, so that a baseline made
+by either tool is checked by the other.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +22,59 @@ from replicadp_tasks.video import decode_mp4
 from ..api import Outcome, fetch_video
 
 
+class BaselineFormat(StrEnum):
+    """What a baseline file holds (`bench --baseline-format`); a check tells them apart by their shape."""
+
+    REPLICADP = "replicadp"  # {"version": 2, "entries": {input_key: {hashes, params, video, ...}}}
+    VLLM_OMNI = "vllm-omni"  # {"PROMPT\x1fSEED\x1fWxH\x1fFRAMES\x1fSTEPS": MP4 md5}, bench_replica_dp.py's
+
+
+VLLM_OMNI_SEPARATOR = "\x1f"  # between the parts of a vllm-omni input key
+
+
+class BaselineError(Exception):
+    """Raised when a baseline file is neither replicadp's nor vllm-omni's, or cannot be read."""
+
+
+def read_baseline(path: Path) -> tuple[BaselineFormat, dict]:
+    """The baseline's format and its entries (replicadp's by input_key, or vllm-omni's key -> md5)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise BaselineError(f"{path}: cannot read it as a JSON baseline ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("entries"), dict):
+        return BaselineFormat.REPLICADP, data["entries"]
+    if isinstance(data, dict) and all(isinstance(v, str) and len(k.split(VLLM_OMNI_SEPARATOR)) == 5
+                                      for k, v in data.items()):
+        return BaselineFormat.VLLM_OMNI, data
+    raise BaselineError(f"{path}: neither replicadp's baseline (version and entries) nor vllm-omni's "
+                        "(input key -> MP4 md5)")
+
+
+def vllm_omni_key(request: dict) -> str:
+    """bench_replica_dp.py's identity of an input: prompt, seed, size (WIDTHxHEIGHT), frames and steps, joined
+    by the unit separator. It has no quality nor negative prompt: both must be the same in the two runs."""
+    return VLLM_OMNI_SEPARATOR.join([request["prompt"], str(request["seed"]),
+                                     f"{request['width']}x{request['height']}", str(request["num_frames"]),
+                                     str(request["num_inference_steps"])])
+
+
+def mp4_md5(result) -> str:
+    return hashlib.md5(fetch_video(result)).hexdigest()  # noqa: S324 (vllm-omni's identity of a video, not security)
+
+
 def baseline_videos(path: Path) -> Path:
     """Where a baseline keeps its inputs' MP4s, for the PSNR of a mismatch: `NAME.videos/` beside `NAME.json`."""
     return path.with_name(path.stem + ".videos")
 
 
-def write_baseline(path: Path, outcomes: list[Outcome]) -> dict:
-    """Record each input's output identity, and its MP4. Returns the counts; a failed request is not recorded."""
+def write_baseline(path: Path, outcomes: list[Outcome], fmt: BaselineFormat = BaselineFormat.REPLICADP) -> dict:
+    """Record each input's output identity, and (replicadp's format) its MP4. Returns the counts; a failed request
+    is not recorded."""
+    if fmt == BaselineFormat.VLLM_OMNI:  # as bench_replica_dp.py writes it
+        got = {vllm_omni_key(o.request): mp4_md5(o.result) for o in outcomes if o.ok}
+        path.write_text(json.dumps(got, indent=2))
+        return {"format": fmt.value, "recorded": len(got), "failed": len(outcomes) - len(got)}
     videos = baseline_videos(path)
     videos.mkdir(parents=True, exist_ok=True)
     entries = {}
@@ -37,7 +90,7 @@ def write_baseline(path: Path, outcomes: list[Outcome]) -> dict:
             "video": f"{videos.name}/{key}.mp4",
         }
     path.write_text(json.dumps({"version": 2, "entries": entries}, indent=1, sort_keys=True))
-    return {"recorded": len(entries), "failed": len(outcomes) - len(entries)}
+    return {"format": fmt.value, "recorded": len(entries), "failed": len(outcomes) - len(entries)}
 
 
 def psnr_db(a: np.ndarray, b: np.ndarray) -> float:
@@ -54,7 +107,9 @@ def check_baseline(path: Path, outcomes: list[Outcome], tolerance_psnr: float | 
     own) from bleed (as close to another input's). With `tolerance_psnr`, a mismatch whose PSNR against its own
     baseline is at least that many dB, and higher than against any other, counts as tolerated, not mismatched.
     """
-    entries = json.loads(path.read_text())["entries"]
+    fmt, entries = read_baseline(path)
+    if fmt == BaselineFormat.VLLM_OMNI:
+        return check_vllm_omni_baseline(entries, outcomes)
     counts = {"matched": 0, "tolerated": 0, "mismatched": 0, "unknown": 0, "unverified": 0}
     mismatches = []
     for o in outcomes:
@@ -81,7 +136,39 @@ def check_baseline(path: Path, outcomes: list[Outcome], tolerance_psnr: float | 
             "closer_to": closer, "tolerated": tolerated,
         })
     passed = counts["matched"] + counts["tolerated"] == len(outcomes) and len(outcomes) > 0
-    return {**counts, "passed": passed, "tolerance_psnr_db": tolerance_psnr, "mismatches": mismatches}
+    return {"format": fmt.value, **counts, "passed": passed, "tolerance_psnr_db": tolerance_psnr,
+            "mismatches": mismatches}
+
+
+def check_vllm_omni_baseline(baseline: dict[str, str], outcomes: list[Outcome]) -> dict:
+    """bench_replica_dp.py's check, by its rules: each output's MP4 md5 against its input's; an output the
+    baseline lacks is unknown, a baseline input without an output in this run (failed, or not run) unverified.
+    It passes when all of the baseline was reproduced and nothing else ran. Its baseline keeps no videos: a
+    mismatch cannot be told noise or bleed (no PSNR, no tolerance)."""
+    counts = {"matched": 0, "tolerated": 0, "mismatched": 0, "unknown": 0, "unverified": 0}
+    mismatches, got = [], set()
+    for o in outcomes:
+        if not o.ok:
+            continue
+        key = vllm_omni_key(o.request)
+        got.add(key)
+        if key not in baseline:
+            counts["unknown"] += 1
+        elif baseline[key] == mp4_md5(o.result):
+            counts["matched"] += 1
+        else:
+            counts["mismatched"] += 1
+            mismatches.append({"prompt": o.request["prompt"], "seed": o.request["seed"], "differ": ["mp4_md5"],
+                               "replica": o.result["replica"], "baseline_replica": None, "psnr_own_db": None,
+                               "psnr_other_db": None, "closest_other": None, "closer_to": "unknown",
+                               "tolerated": False})
+    unverified = sorted(set(baseline) - got)
+    counts["unverified"] = len(unverified)
+    passed = counts["mismatched"] == counts["unknown"] == counts["unverified"] == 0 and counts["matched"] > 0
+    not_verified = [{"prompt": prompt, "seed": int(seed)} for prompt, seed, *_ in
+                    (key.split(VLLM_OMNI_SEPARATOR) for key in unverified)]
+    return {"format": BaselineFormat.VLLM_OMNI.value, **counts, "passed": passed, "tolerance_psnr_db": None,
+            "mismatches": mismatches, "not_verified": not_verified}
 
 
 def closeness(path: Path, entries: dict, key: str, frames: np.ndarray) -> tuple[float | None, float, dict | None]:
@@ -121,8 +208,8 @@ def verdict(iso: dict) -> str:
 
 def describe_mismatch(m: dict) -> str:
     """One mismatch as a line: what differed, where, and how close it is to its own input and to another."""
-    line = (f"seed={m['seed']} prompt={m['prompt']!r}: {', '.join(m['differ'])} differ (replica {m['replica']}, "
-            f"baseline replica {m['baseline_replica']})")
+    made_by = f", baseline replica {m['baseline_replica']}" if m["baseline_replica"] else ""
+    line = f"seed={m['seed']} prompt={m['prompt']!r}: {', '.join(m['differ'])} differ (replica {m['replica']}{made_by})"
     if m["closer_to"] == "unknown":
         return f"{line}; no baseline video to compare"
 

@@ -38,11 +38,15 @@ def print_report(rep: dict) -> None:
     if iso and "matched" in iso:
         t.add_row("isolation", f"[{'green' if iso['passed'] else 'red'}]{verdict(iso)}[/]")
     elif iso:
-        t.add_row("baseline", f"{iso['recorded']} inputs recorded in {iso['baseline_written']}")
+        t.add_row("baseline", f"{iso['recorded']} inputs recorded in {iso['baseline_written']} ({iso['format']}'s "
+                              "format)")
     console.print(t)
     for m in (iso or {}).get("mismatches", []):
         console.print(f"[{'yellow' if m['tolerated'] else 'red'}]mismatch[/] {escape(describe_mismatch(m))}",
                       highlight=False)
+    for m in (iso or {}).get("not_verified", []):  # a vllm-omni baseline's inputs this run did not reproduce
+        line = f"seed={m['seed']} prompt={m['prompt']!r}: in the baseline, no output in this run"
+        console.print(f"[red]not verified[/] {escape(line)}", highlight=False)
     for e in rep["errors"]:
         console.print(f"[red]failed[/red] request {e['index']} (seed {e['seed']}): {e['error']}")
 

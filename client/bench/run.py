@@ -132,10 +132,12 @@ def save_videos(outcomes: list[Outcome], save_dir: Path) -> None:
 
 def run_bench(cfg: BenchConfig, *, model: str | None = None, save_dir: Path | None = None,
               baseline_tpm: float | None = None, write_baseline: Path | None = None,
+              baseline_format: isolation.BaselineFormat = isolation.BaselineFormat.REPLICADP,
               check_baseline: Path | None = None, tolerance_psnr: float | None = None) -> dict:
     """The bench against the live replicas, with a progress bar: waits for a first replica, checks that they
     serve `model` (if given), runs the closed loop, adds scaling against `baseline_tpm` (one replica's
-    videos/min), records or checks an isolation baseline, saves the videos. Returns the report."""
+    videos/min), records (in `baseline_format`) or checks (either format) an isolation baseline, saves the
+    videos. Returns the report."""
     check_redis()
     live = wait_for_replicas(cfg.timeout)
     if model:
@@ -153,7 +155,8 @@ def run_bench(cfg: BenchConfig, *, model: str | None = None, save_dir: Path | No
         rep["baseline_tpm"] = baseline_tpm
         add_scaling(rep, baseline_tpm)
     if write_baseline:
-        rep["isolation"] = {"baseline_written": str(write_baseline), **isolation.write_baseline(write_baseline, outcomes)}
+        rep["isolation"] = {"baseline_written": str(write_baseline),
+                            **isolation.write_baseline(write_baseline, outcomes, baseline_format)}
     if check_baseline:
         rep["isolation"] = {"baseline": str(check_baseline),
                             **isolation.check_baseline(check_baseline, outcomes, tolerance_psnr)}

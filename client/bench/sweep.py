@@ -20,12 +20,12 @@ def even_request_count(requested: int, counts: list[int]) -> int:
 
 
 def run_sweep(counts: list[int], cfg: BenchConfig, *, model: str, threads: int | None, devices: str,
-              log, env: dict | None = None) -> list[dict]:
-    """One bench per N with a fresh set of replicas; concurrency 0 means 2 x N (the queue is never empty).
-    Scaling and efficiency are against the first N."""
+              log, env: dict | None = None, redis_url: str | None = None) -> list[dict]:
+    """One bench per N with a fresh set of replicas, on `redis_url` if given, else an embedded server;
+    concurrency 0 means 2 x N (the queue is never empty). Scaling and efficiency are against the first N."""
     reports = []
     with ExitStack() as stack:
-        run_dir, url = scratch_run(stack, "replicadp-sweep-")
+        run_dir, url = scratch_run(stack, "replicadp-sweep-", redis_url)
         for n in counts:
             gpu_ids = devices.split(",")
             n_devices = "cpu" if devices == "cpu" else ",".join(gpu_ids[:n])

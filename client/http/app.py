@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
+from uvicorn.main import STARTUP_FAILURE
 
 from replicadp_tasks.errors import StoreError
 from replicadp_tasks.settings import SETTINGS
@@ -19,6 +22,10 @@ from .errors import ErrorCode, error_response
 from .gateway import Gateway
 from .routes import router
 from .ui import router as ui_router
+
+# uvicorn's own graceful wait outlasts the gateway's grace by this much, so that a sync request handed over at the
+# end of the grace (a job record written, a 503 sent) is answered before uvicorn cancels what is left (a 500).
+HANDOVER_SLACK_S = 5.0
 
 
 @asynccontextmanager
@@ -69,3 +76,31 @@ def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0, api_keys: l
     api.include_router(router)
     api.include_router(ui_router)  # the web page, /ui (docs/ui.md)
     return api
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which tells the gateway when a graceful shutdown (SIGTERM, Ctrl-C) begins: uvicorn waits
+    for the requests in flight, and the gateway hands over the sync requests still waiting after its grace."""
+
+    def __init__(self, config: uvicorn.Config, grace: float):
+        super().__init__(config)
+        self.grace = grace
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.config.app.state.gateway.stop(self.grace)
+        super().handle_exit(sig, frame)
+
+
+def serve(api: FastAPI, *, host: str, port: int, grace: float, log_config: dict) -> None:
+    """Serve `api` (create_app's) until SIGTERM or Ctrl-C; then wait up to `grace` seconds for the sync requests
+    in flight, and answer those still waiting 503 with their job id (Gateway.run_sync)."""
+    config = uvicorn.Config(api, host=host, port=port, log_config=log_config,
+                            timeout_graceful_shutdown=grace + HANDOVER_SLACK_S)
+    server = Server(config, grace)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the Ctrl-C that uvicorn raises again once it has shut down
+        pass
+    if not server.started:  # it could not bind (uvicorn.run's exit status)
+        sys.exit(STARTUP_FAILURE)

@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     GENERATION_FAILED = "generation_failed"
     STORE_UNAVAILABLE = "store_unavailable"
     REDIS_UNAVAILABLE = "redis_unavailable"
+    SHUTTING_DOWN = "shutting_down"  # 503: a sync request handed over as a job when the gateway stopped
     HTTP_ERROR = "http_error"  # Starlette's own (405 and the like)
 
 

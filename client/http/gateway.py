@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from fastapi import Request
@@ -37,8 +37,11 @@ from .schema import JobOrder
 REDIS_CONNECTIONS = 32
 REDIS_WAIT_S = 20  # a request waits this long for one of them, then 503
 CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
-LIVE_CACHE_S = 2.0  # a Celery broadcast takes ~1 s: reuse the live replicas for this long
-DISCONNECT_POLL_S = 1.0  # how often a sync request checks whether its client is still there
+LIVE_CACHE_S = 1.0  # every request asks for the live replicas (a Redis read): at most one read a second
+DISCONNECT_POLL_S = 1.0  # how often a sync request checks whether its client is still there (and the shutdown)
+# A sync request handed over at shutdown: when its client should ask for the job (a restarted gateway serves
+# within a few seconds of its start; the video takes what it takes).
+HANDOVER_RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Admitted:
     task_id: str
     kwargs: dict  # generate's
     job: dict  # the job record's request fields (schema.VideoJob's): model, prompt, size, seconds, ...
+    admitted_at: float = field(default_factory=time.time)  # a job's created_at, also for a sync request handed over
 
 
 class Refreshed:
@@ -89,11 +93,18 @@ class Gateway:
         self._awaited: dict[str, asyncio.Future] = {}  # task id -> its final result meta, for run_sync
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replicas = Refreshed(self._read_replicas, LIVE_CACHE_S)
+        self._handover_at: float | None = None  # set by `stop`: when waiting sync requests are handed over as jobs
 
     def start(self) -> None:
         """On the event loop, which the result watch's thread hands final states over to."""
         self._loop = asyncio.get_running_loop()
         self.results.start()
+
+    def stop(self, grace: float) -> None:
+        """A graceful shutdown has begun (app.Server, on SIGTERM): sync requests still waiting `grace` seconds from
+        now are handed over as jobs (`run_sync`). Only sets a time: it runs in a signal handler."""
+        if self._handover_at is None:
+            self._handover_at = time.monotonic() + grace
 
     async def close(self) -> None:
         await asyncio.to_thread(self.results.close)
@@ -167,25 +178,36 @@ class Gateway:
     async def send(self, admitted: Admitted) -> None:
         await asyncio.to_thread(self._publish, admitted)
 
-    async def run_sync(self, admitted: Admitted, request: Request) -> dict:
-        """Send an admitted request and return its final result meta. If the client goes away, the sync timeout
-        passes or the gateway stops first, the request is cancelled: nobody would collect its video."""
+    async def run_sync(self, admitted: Admitted, request: Request, owner: str | None) -> dict:
+        """Send an admitted request and return its final result meta. If the client goes away or the sync timeout
+        passes first, the request is cancelled: nobody would collect its video. If the gateway is stopping and
+        the grace (`stop`) passes first, the request goes on as a job of `owner`, answered 503 with its id (a
+        video the client can still collect; uvicorn, left to itself, would cancel it and answer 500)."""
         task_id = admitted.task_id
         future = self._loop.create_future()
         self._awaited[task_id] = future
         self.results.watch(task_id)  # before sending: no result can come unseen
-        ended = False
+        settled = False  # ended, or handed over as a job: not to be cancelled
         try:
             await self.send(admitted)
             deadline = time.monotonic() + self.sync_timeout
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                if now >= deadline:
                     raise GatewayError(504, f"no result after {self.sync_timeout:g} s (is any replica live?); the "
                                             "request was cancelled", code=ErrorCode.TIMEOUT)
-                done, _ = await asyncio.wait({future}, timeout=min(remaining, DISCONNECT_POLL_S))
+                if self._handover_at is not None and now >= self._handover_at:
+                    await self.add_job(admitted, owner)
+                    settled = True
+                    raise GatewayError(503, f"the gateway is shutting down; the request goes on as video job "
+                                            f"{task_id}: GET /v1/videos/{task_id} for its status, "
+                                            f"GET /v1/videos/{task_id}/content for the MP4 once it is completed",
+                                       code=ErrorCode.SHUTTING_DOWN,
+                                       headers={"Retry-After": str(HANDOVER_RETRY_AFTER_S), "X-Request-Id": task_id})
+                until = min(deadline, self._handover_at or deadline)
+                done, _ = await asyncio.wait({future}, timeout=min(until - now, DISCONNECT_POLL_S))
                 if done:
-                    ended = True
+                    settled = True
                     return future.result()
                 if await request.is_disconnected():
                     raise GatewayError(499, "client closed the connection; the request was cancelled",
@@ -193,7 +215,7 @@ class Gateway:
         finally:
             self.results.unwatch(task_id)
             del self._awaited[task_id]
-            if not ended:
+            if not settled:
                 # Even if the send failed or was cut short: cancelling a request never sent does no harm.
                 self.cancels.submit(cancel_request, task_id)
 
@@ -211,8 +233,8 @@ class Gateway:
 
     async def add_job(self, admitted: Admitted, owner: str | None) -> dict:
         """Record an admitted request as a job of `owner` (its API key's id, None without keys), before it is sent
-        (a GET right after the POST finds it); returns the job record."""
-        now = time.time()
+        (a GET right after the POST finds it), or a sync request handed over at shutdown; returns the job record."""
+        now = admitted.admitted_at
         record = {"id": admitted.task_id, "created_at": int(now), **admitted.job, "owner": owner}
         async with self.redis.pipeline() as pipe:
             pipe.set(JOB_KEY + admitted.task_id, json.dumps(record), ex=SETTINGS.result_ttl_s)

@@ -38,9 +38,9 @@ VideoFormDep = Annotated[VideoForm, Depends(video_form)]
 @router.post("/v1/videos/sync", response_class=Response, responses={
     200: {"content": {"video/mp4": {}}, "description": "The MP4, with X-Request-Id, X-Model, X-Replica and "
                                                       "X-Inference-Time-S headers."}, **ERRORS})
-async def create_video_sync(request: Request, form: VideoFormDep, gw: GatewayDep):
-    """Generate one video and answer with its MP4 bytes."""
-    meta = await gw.run_sync(await gw.admit(form), request)
+async def create_video_sync(request: Request, form: VideoFormDep, gw: GatewayDep, who: OwnerDep):
+    """Generate one video and answer with its MP4 bytes (503 with its job id if the gateway stops first)."""
+    meta = await gw.run_sync(await gw.admit(form), request, who)
     if meta["status"] != RequestState.SUCCESS:
         raise failure(meta)
     return video_response(meta["result"], await asyncio.to_thread(fetch_video, meta["result"]))

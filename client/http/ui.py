@@ -29,7 +29,7 @@ ASSETS = {"ui.js": "text/javascript", "ui.css": "text/css"}  # what /ui/{name} s
 PAGE_HEADERS = {"Cache-Control": "no-cache", "Content-Security-Policy": (
     "default-src 'self'; img-src 'self' blob: data:; media-src 'self' blob:; object-src 'none'; "
     "base-uri 'none'; frame-ancestors 'none'")}
-SNAPSHOT_CACHE_S = 1.0  # pages poll every second: they share one snapshot (two Celery broadcasts, ~2 s) at a time
+SNAPSHOT_CACHE_S = 1.0  # pages poll every second: they share one snapshot (a few Redis reads) at a time
 MEAN_OVER_JOBS = 20  # the expected wait's mean request time: over this many of the latest jobs that completed
 
 
@@ -52,7 +52,7 @@ async def asset(name: str):
 
 def snapshots(request: Request) -> Refreshed:
     """`replicadp status`'s snapshot (client/ops/status.py), taken in a thread and shared by every polling page
-    while SNAPSHOT_CACHE_S fresh: any number of pages cost one pair of broadcasts at a time."""
+    while SNAPSHOT_CACHE_S fresh: any number of pages cost one snapshot at a time."""
     state = request.app.state
     if not hasattr(state, "snapshots"):
         state.snapshots = Refreshed(lambda: asyncio.to_thread(snapshot), SNAPSHOT_CACHE_S)

@@ -67,9 +67,10 @@ class Replicas:
         return self
 
     def wait_ready(self, timeout: float) -> None:
+        """Until every replica's heartbeat says it serves (a Redis read, so polled often)."""
         deadline = time.monotonic() + timeout
         want = set(self.names)
-        while not want <= set(live_replicas(timeout=0.5, url=self.redis_url)):
+        while not want <= set(live_replicas(url=self.redis_url)):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker_launch.sh exited ({self.proc.returncode}); see {self.log_path}:\n"
                                    + tail(self.log_path))
@@ -77,7 +78,7 @@ class Replicas:
                 raise RuntimeError(f"a replica exited before it served; see {self.log_path}:\n" + tail(self.log_path))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not ready after {timeout:.0f} s; see {self.log_path}:\n" + tail(self.log_path))
-            time.sleep(0.2)
+            time.sleep(0.1)
 
     def exited_early(self) -> bool:
         """Whether the launcher has reported a replica's exit since this start (worker_launch.sh's restart line)."""
@@ -100,13 +101,18 @@ class Replicas:
         self.stop()
 
 
-def scratch_run(stack: ExitStack, prefix: str, log=lambda message: None) -> tuple[Path, str]:
-    """A temporary run folder and a Redis URL for a self-contained run (the demo, a sweep): REDIS_URL if set,
-    else an embedded server in the folder. Both are cleaned up when `stack` closes; this process's app is
-    pointed at the URL."""
+def scratch_run(stack: ExitStack, prefix: str, url: str | None = None,
+                log=lambda message: None) -> tuple[Path, str]:
+    """A temporary run folder and a Redis URL for a self-contained run (the demo, a sweep): `url` if given
+    (their --redis-url, else REDIS_URL), else an embedded server in the folder. Both are cleaned up when `stack`
+    closes; this process's app is pointed at the URL."""
     run_dir = Path(tempfile.mkdtemp(prefix=prefix))
     stack.callback(shutil.rmtree, run_dir, ignore_errors=True)
-    url = os.environ.get("REDIS_URL")
+    # Importing diffusers imports torch._dynamo, which creates torch's inductor cache folder in every process that
+    # does (by default $TMPDIR/torchinductor_<user>, left behind empty): this one's and its replicas' go in here.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "torchinductor")
+        stack.callback(os.environ.pop, "TORCHINDUCTOR_CACHE_DIR", None)
     if not url:
         server = EmbeddedServer(run_dir / "redis")
         url = server.start()

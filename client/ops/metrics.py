@@ -89,9 +89,12 @@ class Exporter:
                 by_priority.add_metric([str(priority)], n)
             yield by_priority
             waited = waited_s(head, time.time())
-            yield GaugeMetricFamily("replicadp_queue_oldest_age_seconds",
-                                    "How long the next queued request has waited (0: queue empty)",
-                                    value=float("nan") if waited is None else waited)
+            waited = float("nan") if waited is None else waited
+            yield GaugeMetricFamily("replicadp_queue_next_age_seconds", "How long the request a replica takes "
+                                    "next has waited (0: queue empty)", value=waited)
+            # Its old name: the next request is not the oldest (fair queuing puts other users' newer ones first).
+            yield GaugeMetricFamily("replicadp_queue_oldest_age_seconds", "Deprecated, not the oldest: "
+                                    "replicadp_queue_next_age_seconds under its old name", value=waited)
             # Kept in Redis by the replicas, so these count since the data began, not since this exporter did.
             yield CounterMetricFamily("replicadp_messages_refused", "Messages on the queue that replicas refused "
                                       "(not a request they serve; see replicadp:dead)",

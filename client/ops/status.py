@@ -12,6 +12,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from replicadp_tasks import app
+from replicadp_tasks.heartbeat import read
 from replicadp_tasks.keys import COMPLETED_KEY, REPLICA_KEY
 from replicadp_tasks.scheduling import Priority, next_request
 from replicadp_tasks.settings import SETTINGS
@@ -51,23 +52,23 @@ def waited_s(headers: dict | None, now: float) -> float | None:
 
 
 def snapshot() -> dict:
+    """Every live replica (serving, or loading its model), what it runs and at which step, the queue and the
+    throughput: from Redis alone (the replicas' heartbeats, heartbeat.py), a few milliseconds."""
     client = redis.Redis.from_url(redis_url(), socket_connect_timeout=3)
-    inspect = app.control.inspect(timeout=1.0)
-    active = inspect.active() or {}
-    queues = inspect.active_queues() or {}
-    names = sorted(set(active) | set(queues))
+    beats = read(client, SETTINGS.replica_stale_s)
+    names = sorted(beats.serving + beats.standby)
     info = replica_info(client, names)
     replicas = []
     for name in names:
-        running = (active.get(name) or [None])[0]
-        progress = AsyncResult(running["id"], app=app).info if running else None
+        running = beats.running.get(name)
+        progress = AsyncResult(running["task_id"], app=app).info if running else None
         progress = progress if isinstance(progress, dict) else {}
         replicas.append({
             "name": name, "model": info[name].get("model"), "device": info[name].get("device"),
-            "serving": any(q["name"] == SETTINGS.queue for q in queues.get(name, [])),
-            "request_id": progress.get("request_id") or (running or {}).get("id"),
+            "serving": name in beats.serving,
+            "request_id": progress.get("request_id") or (running or {}).get("task_id"),
             "step": progress.get("step"), "total_steps": progress.get("total_steps"),
-            "running_s": time.time() - running["time_start"] if running and running.get("time_start") else None,
+            "running_s": time.time() - running["started_at"] if running else None,
         })
     now = time.time()
     depths, head = queue_head(client)
@@ -95,7 +96,7 @@ def table(snap: dict) -> Table:
         step = f"{r['step']}/{total}" if total else ("starting" if r["request_id"] else "idle")
         bar = ProgressBar(total=total, completed=r["step"] or 0, width=24) if total else ""
         running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
-        t.add_row(r["name"], str(r["device"]), str(r["model"]), "yes" if r["serving"] else "loading",
+        t.add_row(r["name"], str(r["device"]), str(r["model"]), "yes" if r["serving"] else "no",
                   str(r["request_id"] or "-"), bar, step, running)
     if not snap["replicas"]:
         t.caption = "no live replica"
