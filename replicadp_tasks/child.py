@@ -34,6 +34,10 @@ class PoolChild:
         pipe.expire(ATTEMPTS_KEY + task_id, SETTINGS.result_ttl_s)
         return pipe.execute()[0]
 
+    def uncount_attempt(self, task_id: str) -> None:
+        """Take back the count of this start: it ends cleanly, parked (tasks.Delivery.take_fence)."""
+        self.redis.decr(ATTEMPTS_KEY + task_id)
+
     def record_poison(self, task_id: str, kwargs: dict, attempts: int) -> None:
         record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process {attempts} "
                                  "times", "kwargs": kwargs, "attempts": attempts})

@@ -1,5 +1,6 @@
 """The errors replicadp raises, and what each one fails: the request or the process."""
 
+from celery.exceptions import Ignore
 
 NOTHING = object()  # no value given (None is a value a request can carry)
 
@@ -74,6 +75,15 @@ class RequestCancelled(ReplicaDPError):
     and at every denoising step.
 
     Fails the request; the replica keeps its model and takes the next one.
+    """
+
+
+class Parked(ReplicaDPError, Ignore):
+    """Raised when a delivery finds its request_id being computed by another live delivery (the fence is taken).
+
+    Fails nothing: Celery stores no state for it, and the replica's main process parks its message in Redis
+    (lease.Keeper.park) instead of acknowledging it; the lease sweep puts it back in the queue once that fence is
+    gone, and that delivery then returns the stored result, or computes it if none was stored.
     """
 
 

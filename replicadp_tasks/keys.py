@@ -6,7 +6,11 @@ that learning a key name starts no Celery machinery. docs/architecture.md draws 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+# A request_id becomes a file name and a Redis key: a conservative alphabet, no separators, bounded.
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 # --- written by the replica's pool child ------------------------------------------------------------------
 REPLICA_KEY = "replicadp:replica:"  # + replica name: JSON ReplicaInfo, what it serves (after its model loaded)
@@ -22,7 +26,8 @@ ALIVE_KEY = "replicadp:alive:"  # + replica name: the lease heartbeat (lease.py)
 SERVING_KEY = "replicadp:serving"
 STANDBY_KEY = "replicadp:standby"
 RUNNING_KEY = "replicadp:running"  # hash, replica name -> JSON heartbeat.Running: the request its pool child runs
-HOLDERS_KEY = "replicadp:holders"  # hash, delivery tag -> replica name holding that message
+HOLDERS_KEY = "replicadp:holders"  # hash, delivery tag -> replica name holding that message, or PARKED + fence key
+PARKED = "parked:"  # + fence key: a holder that is no replica, a message waiting for that fence (lease.Keeper.park)
 STANDBY_PREFIX = "replicadp.standby."  # + replica name: the private queue a replica starts on (worker.py)
 SWEEP_KEY = "replicadp:store-sweep"  # replica name, expiring: the one replica that sweeps the output store now
 

@@ -18,28 +18,32 @@ A sweeper that has just (re)connected waits one lease first, so that a Redis res
 heartbeat at once, does not look like every replica dying.
 
 The delivery tag stays the same when kombu redelivers a message, so the tag alone cannot tell two deliveries
-apart: the fence lock carries a FenceToken (`<replica>:<pid>:<task id>`, keys.py), and a delivery that finds
-the lock held by a live other waits for that one's result instead of computing its own.
+apart: the fence lock carries a FenceToken (`<replica>:<pid>:<task id>`, keys.py). A delivery that finds the
+lock held by a live other is parked (`Keeper.park`): its message stays in kombu's `unacked`, recorded as held
+by `parked:<fence key>` instead of a replica, and its replica serves other requests. Every sweep puts a parked
+message whose fence is gone back at the head of the queue: that delivery then finds the stored result, or, if
+the one computing it died or failed, takes the fence and computes.
 
 Who renews what. The heartbeat and the holders: the main process, which holds the messages. The fence: both the
 pool child computing the request (a thread, `FenceKeeper`, and every denoising step) and its main process. So
 the fence lapses only when both are gone or stopped: a stopped main process lets its message be requeued, but
-the copy waits on the fence that the child keeps and gets the child's result; a stopped child's fence is kept by
-its main process, which still holds the message. When both stop for longer than a lease, the copy takes the
-fence and computes; the stopped child, once resumed, finds the fence another's at its next step or, past the
-last step, right before it stores, and exits without storing (see tasks.py).
+the copy is parked on the fence that the child keeps and then returns the child's result; a stopped child's
+fence is kept by its main process, which still holds the message. When both stop for longer than a lease, the
+copy takes the fence and computes; the stopped child, once resumed, finds the fence another's at its next step
+or, past the last step, right before it stores, and exits without storing (see tasks.py).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from enum import StrEnum
 from typing import NamedTuple
 
 import redis
 
-from .keys import ALIVE_KEY, HOLDERS_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken, fence_key
+from .keys import ALIVE_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken, fence_key
 
 log = logging.getLogger("replicadp")
 
@@ -155,13 +159,14 @@ class Keeper:
         self.missing: dict[str, float] = {}  # tag recorded as ours but not among our requests -> since when
         self.fences: dict[str, FenceToken] = {}  # fence key -> token, of the requests running here at the last tick
         self.qos = None  # kombu's Redis QoS of the replica's channel: its restore_by_tag requeues a message
+        self.holding = threading.Lock()  # a tick's renewal of the holders it lists, or a park: one at a time
 
     def run(self, requests) -> None:
         """The lease thread: tick every TICK_S until the process exits. `requests()`: what it holds."""
         while True:
             started = time.monotonic()
             try:
-                self.tick(_snapshot(requests))
+                self.tick(requests)
             except Exception:  # never let the heartbeat die with a bug in one tick
                 log.exception("lease: tick failed")
             time.sleep(max(0.0, TICK_S - (time.monotonic() - started)))
@@ -173,23 +178,26 @@ class Keeper:
         except redis.RedisError as exc:  # the next tick writes it again
             log.warning("lease: cannot record holder of %s: %s", tag, exc)
 
-    def tick(self, requests) -> None:
+    def tick(self, held) -> None:
         """Renew this replica's heartbeat, its holders and the fences of its running requests; release the
         fences of requests that ended here (a pool child killed mid-request cannot release its own, and its
         requeued request must not wait a lease for it); then sweep.
-        `requests`: the Celery requests this process holds."""
-        fences = dict(fence_of(req) for req in requests if req.worker_pid)
+        `held()`: the Celery requests this process holds."""
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.set(ALIVE_KEY + self.name, str(time.time()), px=self.lease_s * 1000)
-            for req in requests:
-                pipe.hset(HOLDERS_KEY, req.message.delivery_tag, self.name)
-            for key, tok in fences.items():
-                pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
-            for key, tok in self.fences.items():
-                if fences.get(key) != tok:
-                    pipe.eval(_RELEASE, 1, key, str(tok))
-            pipe.execute()
+            # Listed and renewed under the lock: a request parked meanwhile is not recorded as held here again.
+            with self.holding:
+                requests = _snapshot(held)
+                fences = dict(fence_of(req) for req in requests if req.worker_pid)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(ALIVE_KEY + self.name, str(time.time()), px=self.lease_s * 1000)
+                for req in requests:
+                    pipe.hset(HOLDERS_KEY, req.message.delivery_tag, self.name)
+                for key, tok in fences.items():
+                    pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
+                for key, tok in self.fences.items():
+                    if fences.get(key) != tok:
+                        pipe.eval(_RELEASE, 1, key, str(tok))
+                pipe.execute()
             self.fences = fences
             now = time.time()
             if self.healthy_since is None:
@@ -203,15 +211,17 @@ class Keeper:
     def sweep(self, mine: set, now: float) -> None:
         """Requeue the messages that nobody is going to run: those recorded as held by this replica that its
         process no longer holds (its previous process's, at start-up; or dropped by Celery when its broker
-        connection broke), those whose holder's heartbeat expired, and those delivered a lease ago that no
-        replica ever recorded (the broker died as the message arrived). Forget holders of acknowledged ones."""
+        connection broke), those whose holder's heartbeat expired, those delivered a lease ago that no replica
+        ever recorded (the broker died as the message arrived), and parked ones whose fence is gone. Forget
+        holders of acknowledged ones."""
         holders = {t.decode(): h.decode() for t, h in self.redis.hgetall(HOLDERS_KEY).items()}
         tags = list(holders)
         delivered = self.redis.hmget(UNACKED_KEY, tags) if tags else []
-        names = sorted(set(holders.values()))
+        names = sorted({h for h in holders.values() if not h.startswith(PARKED)})
         alive = dict(zip(names, self.redis.mget([ALIVE_KEY + n for n in names]))) if names else {}
         dead_sweep = now - self.healthy_since >= self.lease_s + 1  # one lease after (re)connecting
         missing, self.missing = self.missing, {}
+        parked = []
         for tag, message in zip(tags, delivered):
             holder = holders[tag]
             if message is None:  # acknowledged
@@ -219,7 +229,9 @@ class Keeper:
                 continue
             if tag in mine:
                 continue
-            if holder == self.name:
+            if holder.startswith(PARKED):
+                parked.append((tag, holder))
+            elif holder == self.name:
                 # A message arrives before Celery lists it: give it a tick (none at start-up: not ours yet).
                 self.missing[tag] = missing.get(tag, now)
                 if self.started and now - self.missing[tag] < 2 * TICK_S:
@@ -227,6 +239,16 @@ class Keeper:
                 self.requeue(tag, holder, "no longer held by this process")
             elif dead_sweep and alive[holder] is None:
                 self.requeue(tag, holder, "heartbeat expired")
+        if parked:
+            pipe = self.redis.pipeline(transaction=False)
+            for _, holder in parked:
+                pipe.exists(holder[len(PARKED):])  # one key each: EXISTS of several only counts them
+            for (tag, holder), fence in zip(parked, pipe.execute()):
+                # Of sweepers that find it at once, the one that forgets its parked holder requeues it.
+                if not fence and self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder):
+                    log.info("lease: message %s, parked on %s, goes back to the queue (the fence is free)", tag,
+                             holder[len(PARKED):])
+                    self.qos.restore_by_tag(tag, client=self.redis, leftmost=False)
         self.started = True
         if dead_sweep:
             # Every held message is recorded within a tick of its arrival; one unrecorded after a lease has none.
@@ -234,6 +256,13 @@ class Keeper:
                 tag = tag.decode()
                 if tag not in holders and tag not in mine:
                     self.requeue(tag, None, "no replica recorded it")
+
+    def park(self, req) -> None:
+        """`req` found its request computed by another live delivery (errors.Parked) and has ended here: record
+        its message as held by no replica but parked on that request's fence, for the sweep to requeue once the
+        fence is gone. The message stays in kombu's `unacked` (the caller settles it in this process only)."""
+        with self.holding:
+            self.redis.hset(HOLDERS_KEY, req.message.delivery_tag, PARKED + fence_of(req)[0])
 
     def lost(self, req) -> None:
         """The pool child running `req` died: release its fence and requeue its message now, not at the next

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -26,7 +27,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from .errors import StoreError
-from .keys import STORE_KEY, SWEEP_KEY
+from .keys import REQUEST_ID_RE, STORE_KEY, SWEEP_KEY
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -36,17 +37,27 @@ log = logging.getLogger("replicadp")
 STORE_SWEEP_S = 300  # how often the output store is swept of what is older than REPLICADP_STORE_TTL (hours, a day)
 S3_MAX_URL_TTL_S = 7 * 86400  # SigV4, the signature of presigned URLs, refuses a longer lifetime
 S3_DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
+# The names the folder and S3 stores write, and the only ones their sweeps remove: a folder or prefix may hold
+# other files (an OUTPUT_DIR of `.`), and those are never touched. `<request_id>.<write id>.mp4`, a write id being
+# uuid4().hex; a folder's temp files and sweep claims have a prefix of their own, never a user's dotfile.
+_RESULT_NAME = re.compile(rf"(?P<rid>{REQUEST_ID_RE.pattern})\.json")
+_VIDEO_NAME = re.compile(rf"(?P<rid>{REQUEST_ID_RE.pattern})\.[0-9a-f]{{32}}\.mp4")
+_TEMP_NAME = re.compile(r"\.replicadp-(?:write|swept)-[A-Za-z0-9_]+\.(?:json|mp4)")
 
 
 class DirStore:
-    """A folder (shared with the clients): `<request_id>.mp4` beside `<request_id>.json`. The JSON is written last
-    and marks the pair complete; an MP4 without it is what a failed write left (a full disk), never served."""
+    """A folder (shared with the clients): `<request_id>.json` (the Result) marks the pair complete and names its
+    MP4, `<request_id>.<write id>.mp4`, a name of each write's own (as S3Store's keys), so that a write that loses
+    the race never touches the winner's bytes. The JSON is linked into place only if absent: the first complete
+    pair wins. An MP4 no JSON names (a write that died between its two files) is never served, and the retention
+    sweep removes it. The folder may hold other files: the sweep removes only the names above (a JSON only if it is
+    a Result naming its MP4 in this folder) and the store's own temp files (`.replicadp-…`)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
 
     def _temp(self, final: Path, data: bytes) -> Path:
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{final.name}.")
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".replicadp-write-", suffix=final.suffix)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -64,52 +75,86 @@ class DirStore:
     def put(self, request_id: str, video: bytes, meta: dict) -> dict:
         """Store the video and its metadata, both or neither. Returns the stored metadata: `meta` with
         `video_uri` set, or the earlier winner's (the first complete pair wins)."""
-        video_path, meta_path = self.root / f"{request_id}.mp4", self.root / f"{request_id}.json"
-        meta = {**meta, "video_uri": video_path.as_uri()}
         done = self.get_meta(request_id)
         if done is not None:
             return done
-        temps = []
+        video_path = self.root / f"{request_id}.{uuid.uuid4().hex}.mp4"
+        meta_path = self.root / f"{request_id}.json"
+        meta = {**meta, "video_uri": video_path.as_uri()}
+        temp = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            # Both written in full before either is visible: a full disk fails here, leaving nothing behind.
-            temps.append(self._temp(video_path, video))
-            temps.append(self._temp(meta_path, json.dumps(meta).encode()))
-            # An MP4 without its JSON is a failed write's (another request, maybe other inputs): replaced.
-            os.replace(temps[0], video_path)
+            # Both written in full before the JSON names the MP4: a full disk fails here, and nothing is left.
+            with open(video_path, "xb") as f:
+                f.write(video)
+            temp = self._temp(meta_path, json.dumps(meta).encode())
             try:
-                os.link(temps[1], meta_path)  # fails if the JSON exists: the first complete pair wins
+                os.link(temp, meta_path)  # fails if a JSON exists: the first complete pair wins
+                return meta
             except FileExistsError:
-                return self.get_meta(request_id)
-            return meta
+                winner = self.get_meta(request_id)
+            if winner is None:  # removed since it was seen (a DELETE): this pair is the first now
+                os.link(temp, meta_path)
+                return meta
+            video_path.unlink()  # named by no JSON: nobody's
+            return winner
         except OSError as exc:
+            video_path.unlink(missing_ok=True)
             raise StoreError(f"cannot write {request_id} to {self.root}: {exc}") from exc
         finally:
-            for tmp in temps:
-                tmp.unlink(missing_ok=True)
+            if temp is not None:
+                temp.unlink(missing_ok=True)
 
     def delete(self, request_id: str) -> None:
-        """Remove a request's pair, the video first: while its JSON is there, no put writes that request's MP4."""
+        """Remove a request's pair: its JSON first (readers then find no result), then the MP4 it names (a name
+        no later write uses)."""
+        meta = self.get_meta(request_id)
+        if meta is None:
+            return
         try:
-            (self.root / f"{request_id}.mp4").unlink(missing_ok=True)
             (self.root / f"{request_id}.json").unlink(missing_ok=True)
+            (self.root / Path(unquote(urlparse(meta["video_uri"]).path)).name).unlink(missing_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot delete {request_id} from {self.root}: {exc}") from exc
 
+    def _named_video(self, meta_path: Path) -> Path | None:
+        """The MP4 that the Result at `meta_path` names, in this folder; None if that file is no Result of this
+        store's (a user's JSON that only looks like one: never swept)."""
+        try:
+            uri = json.loads(meta_path.read_bytes()).get("video_uri", "")
+        except (ValueError, AttributeError):
+            return None
+        video = Path(unquote(urlparse(uri).path)) if isinstance(uri, str) and uri.startswith("file://") else None
+        rid = meta_path.name[:-len(".json")]
+        if video is None or video.parent != self.root.absolute():
+            return None
+        # `<request_id>.mp4`: what a version without write ids wrote.
+        return video if video.name == f"{rid}.mp4" or _VIDEO_NAME.fullmatch(video.name) and \
+            video.name.startswith(rid + ".") else None
+
     def sweep(self, cutoff: float) -> int:
-        """Remove what was written before `cutoff` (unix seconds): pairs (a file's mtime is when its put wrote it),
-        MP4s left without their JSON, temp files of writes that died. Videos first, as in `delete`. Returns how
-        many files it removed."""
+        """Remove what this store wrote before `cutoff` (unix seconds): pairs (a file's mtime is when its put wrote
+        it), MP4s no JSON names, temp files of writes that died. Nothing else in the folder, whatever its age.
+        Each Result first and then the MP4 it names, as in `delete`. Returns how many files it removed."""
         removed = 0
         try:
             entries = [e for e in os.scandir(self.root) if e.is_file(follow_symlinks=False)
-                       and (e.name.endswith((".mp4", ".json")) or e.name.startswith("."))]
-            entries.sort(key=lambda e: e.name.endswith(".json"))
+                       and any(n.fullmatch(e.name) for n in (_RESULT_NAME, _VIDEO_NAME, _TEMP_NAME))]
+            entries.sort(key=lambda e: not e.name.endswith(".json"))
             for entry in entries:
+                path = Path(entry.path)
                 try:
-                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                        removed += self._remove_if_older(Path(entry.path), cutoff)
-                except FileNotFoundError:  # gone since the listing (a put's temp file, a DELETE)
+                    if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+                        continue
+                    if not _RESULT_NAME.fullmatch(entry.name):
+                        removed += self._remove_if_older(path, cutoff)
+                        continue
+                    video = self._named_video(path)
+                    if video is not None and self._remove_if_older(path, cutoff):
+                        removed += 1
+                        video.unlink()  # written before its JSON, and named by no later write
+                        removed += 1
+                except FileNotFoundError:  # gone since the listing (a put's temp file, a DELETE, an MP4 above)
                     continue
         except FileNotFoundError:  # no folder: nothing stored yet
             return 0
@@ -120,9 +165,8 @@ class DirStore:
     @staticmethod
     def _remove_if_older(path: Path, cutoff: float) -> bool:
         """Remove `path` if what is there now was written before `cutoff`. Claimed by a rename first: a file a
-        put wrote there since the listing (an MP4 replacing a failed write's, its JSON to follow) is put back,
-        never removed."""
-        claimed = path.with_name(f".{path.name}.swept-{uuid.uuid4().hex}")
+        put wrote there since the listing (a JSON linked anew after a DELETE) is put back, never removed."""
+        claimed = path.with_name(f".replicadp-swept-{uuid.uuid4().hex}{path.suffix}")
         try:
             os.rename(path, claimed)
         except FileNotFoundError:  # removed meanwhile (a DELETE)
@@ -307,13 +351,15 @@ class S3Store:
 
     def sweep(self, cutoff: float) -> int:
         """Remove the pairs, and MP4s no JSON names, written under the prefix before `cutoff` (unix seconds);
-        metadata first, as in `delete`. Returns how many objects it removed."""
+        metadata first, as in `delete`. Only keys of the store's own names right under the prefix: other objects
+        there, and deeper "folders", are never touched. Returns how many objects it removed."""
         old = {"json": [], "mp4": []}
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
                 for obj in page.get("Contents", []):
-                    kind = obj["Key"].rsplit(".", 1)[-1]
-                    if kind in old and obj["LastModified"].timestamp() < cutoff:
+                    name = obj["Key"][len(self.prefix):]
+                    kind = "json" if _RESULT_NAME.fullmatch(name) else "mp4" if _VIDEO_NAME.fullmatch(name) else None
+                    if kind and obj["LastModified"].timestamp() < cutoff:
                         old[kind].append(obj["Key"])
             for keys in (old["json"], old["mp4"]):
                 for start in range(0, len(keys), S3_DELETE_BATCH):
@@ -345,6 +391,10 @@ def open_store(settings: Settings):
     if settings.store == "redis":
         return RedisStore(outage_tolerant(settings.redis_url, settings.redis_outage_s), settings.store_ttl_s)
     if settings.store == "s3":
+        if not settings.s3_prefix.endswith("/"):  # its sweep would remove other objects of the bucket
+            raise StoreError(f"REPLICADP_S3_PREFIX={settings.s3_prefix!r}: must be a folder of replicadp's own, "
+                             "ending in '/' (such as 'replicadp/'): the retention sweep removes what the store "
+                             "wrote under it")
         store = S3Store(new_s3_client(settings.s3_endpoint_url), settings.s3_bucket, settings.s3_prefix,
                         settings.s3_url_ttl_s)
         try:

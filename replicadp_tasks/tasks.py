@@ -2,7 +2,8 @@
 
 `generate` runs in a replica's pool child, over `child.current()` (the resident pipeline, the store, Redis) and
 one `Delivery` (this delivery of the request). Delivery is at least once, a result is made once: a request that
-already has a result gets it back, and only the delivery that holds the request's fence computes (lease.py).
+already has a result gets it back, and only the delivery that holds the request's fence computes (lease.py); a
+delivery that finds the fence another's is parked, and returns that one's result when it comes back.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from . import child, lease
 from .app import app
-from .errors import InvalidRequest, PoisonRequest, RequestCancelled, RequestIdConflict
+from .errors import InvalidRequest, Parked, PoisonRequest, RequestCancelled, RequestIdConflict
 from .images import load_first_frame
 from .keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
 from .lease import FenceAnswer, FenceState
@@ -27,7 +28,6 @@ from .video import encode_mp4, frames_sha256
 from .webhooks import Event, Webhook, check_webhook, emit
 
 log = logging.getLogger("replicadp")
-FENCE_POLL_S = 0.5  # how often a delivery waiting on another's fence looks for its result
 # PROGRESS at most this often (the first step always): each is a read and a write of the result key, ~2 ms on a
 # small machine, and a GPU step takes ~0.2 s; a person, `status` and `health` need no more than this.
 PROGRESS_EVERY_S = 0.5
@@ -49,7 +49,8 @@ def generate(self, prompt=None, **kwargs) -> Result:
                             f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
     # 3. Validate, and fetch the first frame.
     delivery = Delivery.of(self, {"prompt": prompt, **kwargs}, started)
-    # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer.
+    # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer;
+    # or, if another live delivery holds it, raise Parked.
     earlier = delivery.take_fence()
     if earlier is not None:
         delivery.tell(Event.COMPLETED, result=earlier)
@@ -113,26 +114,22 @@ class Delivery:
         return fence_key(self.request_id)
 
     def take_fence(self) -> Result | None:
-        """Hold this request's fence and return None; or return the stored result, if one exists or appears
-        while another live delivery holds the fence (this one then waits, holding nothing)."""
-        me, waiting_on = child.current(), None
-        while True:
-            answer = lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s)
-            done = me.store.get_meta(self.request_id)  # after the fence: a result stored just before counts
-            if done is not None:
-                if answer.ours:
-                    lease.release(me.redis, self.fence, self.token)
-                if done["input_key"] != self.input_key:
-                    raise RequestIdConflict.of("request_id", "already used for different inputs",
-                                               value=self.request_id)
-                return {**done, "redelivered": True}
+        """Hold this request's fence and return None; or return the stored result, if one exists. If another
+        live delivery holds the fence, raise Parked: this replica need not wait for that one's result, and its
+        message waits in Redis for the fence to be free (lease.Keeper.park); this start is not counted."""
+        me = child.current()
+        answer = lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s)
+        done = me.store.get_meta(self.request_id)  # after the fence: a result stored just before counts
+        if done is not None:
             if answer.ours:
-                return None
-            if answer.owner != waiting_on:
-                log.warning("request %s is being computed by %s; waiting for its result", self.request_id,
-                            answer.owner)
-                waiting_on = answer.owner
-            time.sleep(FENCE_POLL_S)
+                lease.release(me.redis, self.fence, self.token)
+            if done["input_key"] != self.input_key:
+                raise RequestIdConflict.of("request_id", "already used for different inputs", value=self.request_id)
+            return {**done, "redelivered": True}
+        if answer.ours:
+            return None
+        me.uncount_attempt(self.task.request.id)
+        raise Parked(f"request {self.request_id} is being computed by {answer.owner}; parked until its fence is free")
 
     def still_ours(self, answer: FenceAnswer) -> None:
         """Exit the process unless this delivery still holds the fence. A Redis restart may have expired it (then

@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from .errors import InvalidRequest
+from .keys import REQUEST_ID_RE
 from .scheduling import check_priority, check_user
 from .step_cache import Quality
 from .webhooks import check_webhook
@@ -48,8 +49,6 @@ MAX_GUIDANCE = 20.0
 MAX_FPS = 120
 MAX_SEQUENCE_LENGTH = 512
 MAX_SEED = 2**63 - 1
-# A request_id becomes a file name and a Redis key: a conservative alphabet, no separators, bounded.
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass(frozen=True)

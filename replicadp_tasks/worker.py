@@ -33,15 +33,15 @@ from kombu.transport import virtual
 
 from . import child, logs, webhooks
 from .app import app
+from .errors import Parked
 from .heartbeat import Heartbeat, Running
-from .keys import REPLICA_KEY, STANDBY_PREFIX
+from .keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
 from .lease import FenceKeeper, Keeper
 from .pipeline import PipelineHolder, describe_device
 from .records import ReplicaInfo
 from .settings import SETTINGS
 from .step_cache import StepCache
 from .store import open_store, outage_tolerant, sweep_forever
-from .validate import REQUEST_ID_RE
 
 log = logging.getLogger("replicadp")
 
@@ -165,8 +165,9 @@ def _request_ended(**_):
 @signals.celeryd_init.connect
 def _webhook_events(**_):
     """In the main process, before the pool forks: the Redis client that queues failures' webhook events, in
-    the main process and (inherited: redis-py reconnects after a fork) in every pool child."""
-    MAIN.events = redis.Redis.from_url(SETTINGS.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    the main process and (inherited: redis-py reconnects after a fork) in every pool child. It rides out an
+    outage as the pool child's own client, which queues the other events, does (up to REPLICADP_REDIS_OUTAGE)."""
+    MAIN.events = outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s)
 
 
 @signals.worker_ready.connect
@@ -208,11 +209,26 @@ class LeaseStep(bootsteps.StartStopStep):
 class ReplicaRequest(Request):
     """A request as the main process sees it. When the pool child running it dies, the replica stops taking
     requests until a replacement child has loaded the model; a request lost with its child goes back to the
-    head of the queue (Celery's own requeue would put it at the back, behind requests sent after it)."""
+    head of the queue (Celery's own requeue would put it at the back, behind requests sent after it). A request
+    whose delivery was parked (errors.Parked: another delivery computes its request_id) leaves its message in
+    Redis, parked on that request's fence (lease.Keeper.park), and frees the replica."""
+
+    def _settle_here(self) -> None:
+        """Settle the message in this process only, leaving Redis as it is: Celery's ack would remove it from
+        kombu's `unacked`, its reject restore it by its delivery tag, which a redelivery keeps."""
+        virtual.QoS.ack(self.message.channel.qos, self.message.delivery_tag)
+        self.acknowledged = True
 
     def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
         exc = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrap ExceptionWithTraceback
-        if isinstance(exc, WorkerLostError):
+        if isinstance(exc, Parked) and MAIN.keeper is not None:
+            worker_state.task_ready(self)  # first: the lease thread renews the holders of the requests it lists
+            try:
+                MAIN.keeper.park(self)
+            except redis.RedisError as err:  # still recorded as this replica's: the sweep requeues it when back
+                log.warning("cannot park %s now: %s", self.id, err)
+            self._settle_here()
+        elif isinstance(exc, WorkerLostError):
             _pause("its pool child was lost")
             if self.task.acks_late and self.task.reject_on_worker_lost and MAIN.keeper is not None:
                 # Instead of Celery's reject. If Redis is down, Celery's reject fails too, and the lease sweep
@@ -222,10 +238,8 @@ class ReplicaRequest(Request):
                 except redis.RedisError as err:
                     log.warning("cannot requeue %s now: %s", self.id, err)
                 else:
-                    # Requeued: settle the message in this process only. Celery's reject would restore it by its
-                    # delivery tag, which a redelivery keeps, putting back a second copy (docs/reliability.md).
-                    virtual.QoS.ack(self.message.channel.qos, self.message.delivery_tag)
-                    self.acknowledged = True
+                    # Requeued: Celery's reject would put back a second copy (docs/reliability.md).
+                    self._settle_here()
         return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft, timeout):

@@ -20,7 +20,8 @@ from conftest import run_client_on, start_replicas
 from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
                      wait_for_step)
 from replicadp_tasks.errors import PoisonRequest
-from replicadp_tasks.keys import ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, REPLICA_KEY, STATS_KEY, FenceToken
+from replicadp_tasks.keys import (ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, HOLDERS_KEY, PARKED, REPLICA_KEY, STATS_KEY,
+                                 FenceToken)
 from replicadp_tasks.records import RequestState
 
 # What a replica serves after a fault: a small request (two steps, 0.5 s, on the synthetic backend).
@@ -393,3 +394,52 @@ def test_replacement_child_rides_out_a_redis_restart_before_its_replica_consumes
         server.stop()
     assert [o.ok for o in first + after] == [True, True], [o.error for o in first + after]
     assert {o.result["replica"] for o in first + after} == {group.names[0]}
+
+
+def computing_one(group, tasks, parked: bool) -> tuple:
+    """(the PROGRESS info of the one of `tasks` computing, that task, the other one), once one computes and, if
+    `parked`, the other's message is parked on the fence (lease.Keeper.park)."""
+    def found():
+        infos = [progress(group.app, t.id, "one of them to compute") for t in tasks]
+        running = [(info, t) for info, t in zip(infos, tasks) if info]
+        waiting = any(h.startswith(PARKED.encode()) for h in group.redis.hvals(HOLDERS_KEY)) or not parked
+        return running[0] if running and waiting else None
+
+    info, computing = wait_for(found, "one delivery to compute" + (" and the other to be parked" if parked else ""),
+                               interval=0.02)
+    return info, computing, next(t for t in tasks if t is not computing)
+
+
+def test_a_request_sent_twice_leaves_the_other_replica_free(synthetic):
+    """Two tasks with one request_id at once (6 s) on the two replicas, then a short request: the task that finds
+    the fence taken is parked, its replica takes the short request, and that one completes while the first still
+    computes (had been: the second replica waited on the fence, idle, for the whole 6 s, and the short request
+    behind it). Both tasks end SUCCESS with the same video and execution, computed once; the parked start is not
+    counted as an attempt."""
+    before = int(synthetic.redis.hget(STATS_KEY, "duplicate_executions") or 0)
+    request = lasting(6, prompt="one request, sent twice", seed=31, request_id="sent-twice")
+    tasks = [send(synthetic, request), send(synthetic, request)]
+    _, computing, parked = computing_one(synthetic, tasks, parked=False)
+    short = send(synthetic, {**SHORT, "seed": 31})
+    assert short.get(timeout=60)["replica"] in synthetic.names
+    assert not computing.ready(), "the short request waited for the first computation to end"
+    a, b = computing.get(timeout=60), parked.get(timeout=60)
+    assert a["execution"] == b["execution"] and a["video_sha256"] == b["video_sha256"]
+    assert (a["redelivered"], b["redelivered"]) == (False, True)
+    assert int(synthetic.redis.hget(STATS_KEY, "duplicate_executions") or 0) == before
+    assert [int(synthetic.redis.get(ATTEMPTS_KEY + t.id)) for t in (computing, parked)] == [1, 1]
+    assert synthetic.redis.get(FENCE_KEY + "sent-twice") is None
+
+
+def test_a_parked_request_is_computed_when_the_first_computation_dies(synthetic):
+    """Two tasks with one request_id; the pool child computing it is SIGKILLed while the other task is parked:
+    nothing is lost, the request is computed again (by the parked task or by the killed one's requeued message,
+    whichever takes the fence first; the other is parked again) and both tasks end SUCCESS with that video."""
+    request = lasting(3, prompt="parked, then computed", seed=32, request_id="parked-then-computed")
+    tasks = [send(synthetic, request), send(synthetic, request)]
+    info, _, _ = computing_one(synthetic, tasks, parked=True)
+    os.kill(info["pid"], signal.SIGKILL)
+    a, b = (t.get(timeout=120) for t in tasks)
+    assert a["execution"] == b["execution"] and a["video_sha256"] == b["video_sha256"]
+    assert FenceToken.parse(a["execution"]).pid != info["pid"]
+    serve_again(synthetic)

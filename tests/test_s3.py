@@ -15,7 +15,9 @@ from test_http import form_of, gateway, job_once, multipart
 
 from client.api import _app_for
 from replicadp_tasks.errors import StoreError
-from replicadp_tasks.store import S3_MAX_URL_TTL_S, S3Store, delete_stored, fetch_video, new_s3_client
+from replicadp_tasks.settings import Settings
+from replicadp_tasks.store import (S3_MAX_URL_TTL_S, S3Store, delete_stored, fetch_video, new_s3_client,
+                                   open_store)
 
 PREFIX = "replicadp/"
 
@@ -94,6 +96,21 @@ def test_bad_settings_are_refused(s3_server):
         S3Store(new_s3_client(s3_server.url), "any", PREFIX, S3_MAX_URL_TTL_S + 1)
 
 
+@pytest.mark.parametrize("prefix", ["", "replicadp", "videos/replicadp"])
+def test_a_prefix_that_is_no_folder_is_refused_at_start(s3_server, s3_bucket, monkeypatch, prefix):
+    """REPLICADP_S3_PREFIX empty or not ending in '/' stops the store from opening (a replica's start), naming the
+    setting and its value: its sweep would remove other objects of the bucket (had been: `""` or `replicadp`
+    swept every old `.json`/`.mp4` of the bucket, or of `replicadp-backups/`)."""
+    monkeypatch.setenv("REPLICADP_STORE", "s3")
+    monkeypatch.setenv("REPLICADP_S3_BUCKET", s3_bucket)
+    monkeypatch.setenv("REPLICADP_S3_ENDPOINT_URL", s3_server.url)
+    monkeypatch.setenv("REPLICADP_S3_PREFIX", prefix)
+    with pytest.raises(StoreError, match=f"REPLICADP_S3_PREFIX={prefix!r}: must be a folder"):
+        open_store(Settings.from_env())
+    monkeypatch.setenv("REPLICADP_S3_PREFIX", prefix + "/")
+    assert open_store(Settings.from_env()).prefix == prefix + "/"
+
+
 def test_delete_removes_the_pair(s3_server, s3_bucket):
     """delete(request_id) removes the JSON and the MP4 it names; so does delete_stored from a Result (what the
     gateway's DELETE calls); deleting what is not there is no error."""
@@ -109,12 +126,17 @@ def test_delete_removes_the_pair(s3_server, s3_bucket):
 
 def test_sweep_removes_only_what_is_older_than_the_cutoff(s3_server, s3_bucket):
     """The sweep removes pairs and MP4s no JSON names (a write that failed half way) last written before the
-    cutoff, and keeps newer pairs and what is not the store's (other prefixes, other kinds of object)."""
+    cutoff, and keeps newer pairs and what is not the store's (other prefixes, deeper "folders", other names,
+    however old: had been, every old `.json` and `.mp4` under the prefix)."""
     store = store_on(s3_server, s3_bucket)
     old = store.put("old", b"old", {})
     s3_server.client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}orphan.{uuid.uuid4().hex}.mp4", Body=b"half")
     s3_server.client.put_object(Bucket=s3_bucket, Key="elsewhere/old.mp4", Body=b"not ours")
     s3_server.client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}notes.txt", Body=b"not ours")
+    others = [f"{PREFIX}package.json.bak", f"{PREFIX}intro.mp4", f"{PREFIX}team/old.json", f"{PREFIX}.env",
+              f"{PREFIX}team/old.{uuid.uuid4().hex}.mp4", f"{PREFIX}clip.0123.mp4"]
+    for key in others:
+        s3_server.client.put_object(Bucket=s3_bucket, Key=key, Body=b"not ours")
     written = {o["Key"]: o["LastModified"].timestamp()
                for o in s3_server.client.list_objects_v2(Bucket=s3_bucket)["Contents"]}
     # S3 times are whole seconds: the newer pair is written on a later second than all of those.
@@ -127,7 +149,7 @@ def test_sweep_removes_only_what_is_older_than_the_cutoff(s3_server, s3_bucket):
         fetch_video(old["video_uri"], "", s3_endpoint_url=s3_server.url)
     assert fetch_video(new["video_uri"], "", s3_endpoint_url=s3_server.url) == b"new"
     assert keys(s3_server, s3_bucket) == sorted(["elsewhere/old.mp4", f"{PREFIX}notes.txt", f"{PREFIX}new.json",
-                                                 new["video_uri"].split("/", 3)[3]])
+                                                 new["video_uri"].split("/", 3)[3], *others])
 
 
 def test_a_replica_sweeps_the_bucket(s3_server, s3_bucket, redis_db):

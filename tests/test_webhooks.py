@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import json
 import threading
+import time
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -13,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import redis
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, wait_for
+from helpers import SYNTHETIC, lasting, wait_for, wait_for_step
 from test_http import gateway, post
 
 from client.api import _app_for
+from client.local.embedded import EmbeddedServer
 from client.submit import request_id_for
 from replicadp_tasks.errors import InvalidRequest, RequestCancelled
 from replicadp_tasks.keys import CANCEL_KEY, STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_SENT_KEY
@@ -337,3 +339,39 @@ def test_gateway_refuses_webhooks_it_may_not_send(redis_db, receiver, env, why):
     error = answer.json()["error"]
     assert error["param"] == "webhook_url" and why in error["message"], error
     assert not receiver.posts["/never"]
+
+
+@pytest.mark.cluster
+def test_failed_event_queued_while_redis_refuses_connections_arrives(receiver, tmp_path):
+    """A request fails (its soft time limit, 2 s) while its Redis refuses every new connection (at its client limit,
+    `CONFIG SET maxclients 1`, from the request's first step until 10 s after its failure is stored): the pool
+    child stores the failure over a connection it holds, but queues the `failed` event over a new one; that event
+    still reaches the receiver, signed, once Redis takes connections again (within REPLICADP_REDIS_OUTAGE, as the
+    other events). Had been: queued through a client that gave up after its few retries, the event was lost. (A
+    Redis killed and restarted does not show it: Celery stores the failure first, waiting for Redis, so the event
+    is queued only once Redis is back.)"""
+    server = EmbeddedServer(tmp_path / "redis")
+    url = server.start()
+    group = start_replicas(1, url, "webhooks-refusing", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path / "out"),
+                           REPLICADP_SOFT_TIME_LIMIT="2", REPLICADP_TIME_LIMIT="120",
+                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET)
+    admin = redis.Redis.from_url(url)
+    limit = admin.config_get("maxclients")["maxclients"]
+    try:
+        app = _app_for(url)
+        task = app.send_task("replicadp.generate", kwargs={**lasting(30, prompt="fails, Redis refusing"),
+                                                           "webhook": receiver.url("/refused")})
+        wait_for_step(SimpleNamespace(app=app), task.id, 1)
+        admin.config_set("maxclients", 1)
+        try:
+            wait_for(lambda: app.backend.get_task_meta(task.id)["status"] == "FAILURE", "the failure to be stored")
+            time.sleep(10)  # past the retries of a client that gives up (about 5 s)
+        finally:
+            admin.config_set("maxclients", limit)
+        [failed] = wait_for(lambda: receiver.posts["/refused"], "the failed event once Redis takes connections")
+    finally:
+        group.stop()
+        server.stop()
+    assert verify(SECRET, failed.headers["X-Replicadp-Signature"], failed.body)
+    assert (failed.payload["event"], failed.payload["task_id"]) == ("failed", task.id)
+    assert failed.payload["error"]["type"] == "SoftTimeLimitExceeded"
