@@ -63,12 +63,38 @@ class Exit(IntEnum):
     USAGE = 2  # click's: a bad option or argument, named
     UNAVAILABLE = 3  # a ClientError: Redis unreachable, no live replica, not the model asked for; nothing was run
     NOT_FOUND = 4  # get, cancel: no such request
+    PORT_IN_USE = 5  # serve-http: something already listens on its --host:--port; nothing was started
 
 
 class Unavailable(click.ClickException):
     """Raised when a ClientError ends a command: its message, and Exit.UNAVAILABLE."""
 
     exit_code = Exit.UNAVAILABLE
+
+
+class PortInUse(click.ClickException):
+    """Raised when serve-http's address is taken: its message names the address, and Exit.PORT_IN_USE."""
+
+    exit_code = Exit.PORT_IN_USE
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind `host`:`port` as uvicorn will (its address family, SO_REUSEADDR) and let go, so that an address in use
+    is said before anything starts (uvicorn would log it and exit 3, Exit.UNAVAILABLE's status): PortInUse, or a
+    ClickException for any other reason it cannot be bound."""
+    import errno
+    import socket
+
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"{shown} is in use: another process listens there (another gateway?); give "
+                                "another --port, or stop that process") from None
+            raise click.ClickException(f"cannot listen on {shown}: {exc.strerror or exc}") from None
 
 
 class Group(click.Group):
@@ -220,7 +246,7 @@ def submit(file, results, concurrency, timeout, save_dir, longest_first, priorit
 OPTION_OF = {"prompt": "PROMPT", "negative_prompt": "--negative-prompt", "seed": "--seed", "height": "--size",
              "width": "--size", "num_frames": "--num-frames", "num_inference_steps": "--steps",
              "guidance_scale": "--guidance", "fps": "--fps", "image": "--image", "priority": "--priority",
-             "user": "--user"}
+             "user": "--user", "quality": "--quality"}
 
 
 def image_param(ctx, param, value: str | None) -> str | None:
@@ -271,14 +297,17 @@ def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, gui
     from replicadp_tasks.validate import validate_request
 
     from .oneshot import generate_one, summary
+    from .ops.status import live_accepted
 
     request = {"prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, "width": size[0],
                "height": size[1], "num_frames": num_frames, "num_inference_steps": steps, "guidance_scale": guidance,
                "fps": fps, "image": image, "priority": priority, "user": user, "quality": quality}
     request = {k: v for k, v in request.items() if v is not None}
+    accepted = live_accepted()
     try:
-        # Model-independent checks here (16: Wan's smallest size multiple); the replica checks what its model needs.
-        validate_request(request, size_multiple=16)
+        # As the gateway checks: against the live replicas' size multiple and qualities (with none live, 16 and
+        # any quality; the replica checks again).
+        validate_request(request, size_multiple=accepted.size_multiple, qualities=accepted.qualities)
     except InvalidRequest as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{OPTION_OF.get(exc.field, exc.field)}'") from None
     err = Console(stderr=True, soft_wrap=True)  # as progress.console: messages are not wrapped
@@ -331,16 +360,41 @@ def cancel(request_id):
     sys.exit(Exit.NOT_FOUND if view["status"] == Status.UNKNOWN else Exit.OK)
 
 
+@main.command("webhook-secret")
+@click.argument("tenant")
+def webhook_secret(tenant):
+    """Print the secret that signs TENANT's webhook events (an API key's owner id), derived from
+    REPLICADP_WEBHOOK_SECRET: hand it to that tenant, whose receiver verifies X-Replicadp-Signature with it.
+    Exit 0, or 2 without REPLICADP_WEBHOOK_SECRET or with a TENANT no key may have."""
+    from replicadp_tasks.webhooks import tenant_secret
+
+    deployment = os.environ.get("REPLICADP_WEBHOOK_SECRET", "")
+    if not deployment:
+        raise click.UsageError("REPLICADP_WEBHOOK_SECRET is not set: a tenant's secret is derived from it (set the "
+                               "one the replicas use)")
+    try:
+        click.echo(tenant_secret(deployment, tenant))
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"{exc.field}="), param_hint="TENANT") from None
+
+
 @main.command()
 @click.option("--watch", is_flag=True, help="Refresh every second until Ctrl-C.")
+@click.option("--json", "json_out", is_flag=True, help="Print the snapshot as JSON on stdout, once.")
 @redis_url_option()
-def status(watch):
-    """Live replicas, the request each is running and its step, queue depth, recent throughput."""
+def status(watch, json_out):
+    """Live replicas (each one's fast path: the step cache of quality=fast), the request each is running and its
+    step, queue depth, recent throughput."""
     from rich.live import Live
 
     from .ops.status import snapshot, table
 
+    if watch and json_out:
+        raise click.UsageError("--watch and --json are exclusive: --json prints one snapshot")
     check_redis()
+    if json_out:
+        click.echo(json.dumps(snapshot(), indent=1))
+        return
     if not watch:
         console.print(table(snapshot()))
         return
@@ -484,8 +538,26 @@ def sweep(counts, model, devices, threads, num_requests, concurrency, warmup, ba
 @click.option("--api-keys-file", "key_files", multiple=True, envvar="REPLICADP_API_KEYS_FILE",
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A file of API keys, one per line, # comments (env REPLICADP_API_KEYS_FILE).")
+@click.option("--allowed-hosts", "hosts", multiple=True, envvar="REPLICADP_ALLOWED_HOSTS", metavar="NAME",
+              help="A Host name the gateway answers, any port; repeat for several, '*' for any (env "
+                   "REPLICADP_ALLOWED_HOSTS, space-separated). Default: localhost, 127.0.0.1 and [::1] when --host "
+                   "is loopback, any otherwise. Others get 400 (a DNS-rebound name); /health answers every name.")
+@click.option("--docs/--no-docs", default=False, show_default=True, envvar="REPLICADP_HTTP_DOCS",
+              help="Serve FastAPI's interactive /docs and /redoc, which load their scripts from a CDN "
+                   "(env REPLICADP_HTTP_DOCS). /openapi.json is served either way.")
+@click.option("--max-connections", type=click.IntRange(min=1), envvar="REPLICADP_HTTP_MAX_CONNECTIONS",
+              help="Open connections past which a request gets 503 at once, /health too (env "
+                   "REPLICADP_HTTP_MAX_CONNECTIONS). Default: the open-file limit (ulimit -n) less 128.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              envvar="REPLICADP_HTTP_HEADER_TIMEOUT",
+              help="Seconds a connection has to send a request's headers, from its opening or its last answer, "
+                   "before it is closed (env REPLICADP_HTTP_HEADER_TIMEOUT).")
+@click.option("--keep-alive", default=5, show_default=True, type=click.IntRange(min=1),
+              envvar="REPLICADP_HTTP_KEEP_ALIVE",
+              help="Seconds an idle keep-alive connection stays open (env REPLICADP_HTTP_KEEP_ALIVE).")
 @redis_url_option()
-def serve_http(host, port, max_queue, sync_timeout, shutdown_grace, api_keys, key_files):
+def serve_http(host, port, max_queue, sync_timeout, shutdown_grace, api_keys, key_files, hosts, docs,
+               max_connections, header_timeout, keep_alive):
     """HTTP front door: vllm-omni's video API (/v1/videos, /v1/videos/sync) in front of the replicas."""
     import logging.config
 
@@ -495,24 +567,29 @@ def serve_http(host, port, max_queue, sync_timeout, shutdown_grace, api_keys, ke
     from .http import create_app
     from .http.app import serve
     from .http.auth import ApiKeyError, read_keys
+    from .http.guard import allowed_hosts
 
     try:
         keys = read_keys(api_keys, key_files)
     except ApiKeyError as exc:
         raise click.BadParameter(str(exc), param_hint="--api-key / --api-keys-file")
+    check_listen(host, port)
     check_redis()
     log_config = uvicorn_config(SETTINGS.log_format)
     logging.config.dictConfig(log_config)  # before uvicorn does: these lines are in the gateway's format too
     log = logging.getLogger("uvicorn.error")
     if keys:
-        log.info("API keys: %d; /v1 answers 401 without one of them", len(keys))
+        log.info("API keys: %d, of %d tenants; /v1 answers 401 without one of them", len(keys),
+                 len({key.owner for key in keys}))
     elif host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no API keys: anyone who reaches %s:%d can create, list and delete jobs (--api-key, "
                     "REPLICADP_API_KEYS)", host, port)
     shown = f"[{host}]" if ":" in host else host
     log.info("web page: http://%s:%d/ui (docs/ui.md)", shown, port)
-    serve(create_app(max_queue=max_queue, sync_timeout=sync_timeout, api_keys=keys), host=host, port=port,
-          grace=shutdown_grace, log_config=log_config)
+    api = create_app(max_queue=max_queue, sync_timeout=sync_timeout, api_keys=keys,
+                     allowed_hosts=allowed_hosts(hosts, host), docs=docs)
+    serve(api, host=host, port=port, grace=shutdown_grace, log_config=log_config, max_connections=max_connections,
+          header_timeout=header_timeout, keep_alive=keep_alive)
 
 
 @main.command()

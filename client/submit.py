@@ -11,6 +11,7 @@ from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.validate import DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, validate_request
 
 from .api import check_redis, fetch_video, run_requests
+from .ops.status import Accepted, live_accepted
 from .progress import console, flight_text, progress_bar, wait_for_replicas
 
 
@@ -70,9 +71,10 @@ def looks_like_json(line: str) -> bool:
     return False
 
 
-def read_batch(path: Path, defaults: dict | None = None) -> list[tuple[int, dict]]:
+def read_batch(path: Path, defaults: dict | None = None, accepted: Accepted = Accepted()) -> list[tuple[int, dict]]:
     """(line number, generate kwargs with a request_id) per request, `defaults` (priority, user) filling what a
-    line does not say. JSONL when the first non-blank line
+    line does not say, each checked against what the live replicas accept (`accepted`: their size multiple and
+    qualities). JSONL when the first non-blank line
     starts with '{', else one prompt per line; a text batch with a line that looks like JSON is refused, not
     guessed at (a JSONL file whose first line lost its '{' would run its JSON as prompts). Every malformed line
     is reported before anything is sent."""
@@ -105,9 +107,9 @@ def read_batch(path: Path, defaults: dict | None = None) -> list[tuple[int, dict
             kwargs = {"prompt": line}
         kwargs = {**(defaults or {}), **kwargs}
         try:
-            # Model-independent checks here; the replica also checks what its model needs (size multiples) and
-            # what its deployment allows a webhook.
-            validate_request(kwargs, size_multiple=16, webhook_policy=False)
+            # The replica checks again, and what its deployment allows a webhook.
+            validate_request(kwargs, size_multiple=accepted.size_multiple, qualities=accepted.qualities,
+                             webhook_policy=False)
         except InvalidRequest as exc:
             errors.append(f"line {n}: {exc}")
             continue
@@ -156,7 +158,7 @@ def run_batch(file: Path, results: Path, *, concurrency: int, timeout: float, sa
     `results` (and its video to `save_dir`) as it ends, with a progress bar; largest first unless not `longest`
     (file order). `defaults` (priority, user) apply to the lines that do not set them. Returns how many
     failed."""
-    batch = read_batch(file, defaults)
+    batch = read_batch(file, defaults, live_accepted())
     done = completed_ids(results)
     todo = [(n, kw) for n, kw in batch if kw["request_id"] not in done]
     if longest:

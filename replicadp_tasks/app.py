@@ -57,13 +57,13 @@ def _one_redis(sender, source, **_):
 def _stamp(sender=None, headers=None, body=None, **_):
     """Refuse to send a request to a split Redis (again: the configuration may have been read in another thread,
     whose SystemExit ended only that thread). Record when a request was sent, so that its result can report how
-    long it queued, and its priority and user, for the transport to place it by (scheduling.py). Leave its time
+    long it queued, and its priority, tenant and user, for the transport to place it by (scheduling.py). Leave its time
     limits to the replica: Celery would otherwise send the producer's own settings, which win over the worker's."""
     if sender == "replicadp.generate" and headers is not None:
         check_one_redis(app.conf)
         headers.setdefault("replicadp_sent_at", time.time())
         headers["timelimit"] = [None, None]
         kwargs = body[1] if isinstance(body, (list, tuple)) and len(body) == 3 and isinstance(body[1], dict) else {}
-        for field in ("priority", "user"):
+        for field in ("priority", "tenant", "user"):
             if kwargs.get(field) is not None:
                 headers[f"replicadp_{field}"] = kwargs[field]

@@ -47,6 +47,7 @@ def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence =
     # socket down so that it stops too.
     runner = threading.Thread(target=download.run, name="replicadp-fetch", daemon=True)
     runner.start()
+    late = FetchError(f"{label}: took longer than {deadline_s:g} s ({deadline_setting})", *named)
     try:
         while True:
             runner.join(max(0.0, min(POLL_S, end - time.monotonic())))
@@ -55,11 +56,12 @@ def fetch(url: str, *, max_bytes: int, deadline_s: float, allow_nets: Sequence =
             if cancelled is not None and cancelled():
                 raise RequestCancelled(f"{label}: cancelled during the download")
             if time.monotonic() >= end:
-                raise FetchError(f"{label}: took longer than {deadline_s:g} s ({deadline_setting})", *named)
+                raise late
     finally:
         download.abort()
     if download.error is not None:
-        raise download.error
+        # The download's socket times out at the deadline too, and may end first: that is still the deadline.
+        raise late if time.monotonic() >= end else download.error
     return download.body
 
 
@@ -218,8 +220,21 @@ def target(url: str, allow_nets: Sequence, failed: Callable[[str], Exception], n
     for info in infos:  # every address: a name with one public and one internal address is refused
         refusal = _refusal(info[4][0], tuple(allow_nets))
         if refusal:
+            # The address of a literal is what the URL says; a name's is what this side's resolver said, which an
+            # error must not tell (a DNS oracle of the internal network): not even its range.
+            if not _is_literal(ascii_host):
+                raise failed(f"an address of {named} is not public, not allowed (REPLICADP_FETCH_ALLOW)")
             raise failed(f"address {info[4][0]} of {named} is {refusal}, not allowed (REPLICADP_FETCH_ALLOW)")
     return Target(parts, ascii_host, port, infos)
+
+
+def _is_literal(host: str) -> bool:
+    """Whether `host` is an IP address in any spelling the resolver takes without a lookup ('2130706433' too)."""
+    try:
+        socket.getaddrinfo(host, None, flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError):
+        return False
+    return True
 
 
 def _refusal(address: str, allow_nets: tuple) -> str | None:

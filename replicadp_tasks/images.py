@@ -73,7 +73,7 @@ def _local(image_dir: Path, image: str, max_bytes: int) -> bytes:
         with open(path, "rb") as f:
             return f.read(max_bytes + 1)
     except OSError as exc:
-        raise _refused(image[:80], str(exc)) from exc
+        raise _refused(image[:80], exc.strerror or type(exc).__name__) from exc  # not the resolved path
 
 
 def load_first_frame(image: str, width: int, height: int, *, max_bytes: int, timeout_s: int,
@@ -91,5 +91,6 @@ def load_first_frame(image: str, width: int, height: int, *, max_bytes: int, tim
     except ImageInputError:
         raise
     except Exception as exc:  # PIL raises many types for corrupt data
-        raise ImageInputError.of("image", f"cannot decode ({type(exc).__name__}: {exc})") from exc
+        # Only the exception's type: PIL's messages carry the repr of the buffer (a heap address of the replica).
+        raise ImageInputError.of("image", f"cannot decode as an image ({type(exc).__name__})") from exc
     return img.resize((width, height), Image.Resampling.BICUBIC), hashlib.sha256(data).hexdigest()

@@ -33,13 +33,18 @@ SWEEP_KEY = "replicadp:store-sweep"  # replica name, expiring: the one replica t
 
 # --- written by both: refused messages by the main process, poison requests and duplicates by the pool child
 DEAD_KEY = "replicadp:dead"  # list of JSON records of requests failed as poison or refused, newest first
-STATS_KEY = "replicadp:stats"  # hash of counters: refused_messages, duplicate_executions, webhook_give_ups
+STATS_KEY = "replicadp:stats"  # hash of counters: refused_messages, duplicate_executions, webhook_give_ups,
+# webhook_progress_dropped
 # Webhook events (webhooks.py), queued by the pool child (a failure's by the main process too), sent by the main
 # processes' senders:
 WEBHOOK_SENT_KEY = "replicadp:webhook:sent:"  # + task id: hash of the ids of the events queued for it, once each
 WEBHOOK_DUE_KEY = "replicadp:webhook:due"  # sorted set, event id -> when it is due (Redis's clock); a sender that
 # takes one makes it due again webhooks.CLAIM_S later, so that another takes it if this one dies sending
-WEBHOOK_EVENTS_KEY = "replicadp:webhook:events"  # hash, event id -> JSON webhooks.Queued (URL, payload, attempts)
+WEBHOOK_EVENTS_KEY = "replicadp:webhook:events"  # hash, event id -> JSON webhooks.Queued (URL, payload, tenant)
+WEBHOOK_ATTEMPTS_KEY = "replicadp:webhook:attempts"  # hash, event id -> attempts taken so far (counted when taken)
+WEBHOOK_SENDING_KEY = "replicadp:webhook:sending:"  # + destination host:port: sorted set, event id -> claim end
+WEBHOOK_BACKOFF_KEY = "replicadp:webhook:backoff"  # sorted set, destination -> until when it is not tried
+WEBHOOK_FAILS_KEY = "replicadp:webhook:fails"  # hash, destination -> failed attempts in a row (its backoff)
 
 # --- written by kombu (the broker side of Celery), read by the lease sweep --------------------------------
 UNACKED_KEY = "unacked"  # hash, delivery tag -> message delivered and not yet acknowledged

@@ -25,13 +25,13 @@ MAX_ID_CHARS = 255  # a task id is a uuid (36); room for the ids other producers
 # A request is a few hundred bytes, or an inline first frame: base64 in the kwargs, base64 again in the envelope.
 MAX_MESSAGE_BYTES = SETTINGS.max_image_bytes * 16 // 9 + 1024 * 1024
 
-# The headers Celery 5's protocol 2 sends, those replicadp's producers stamp (the send time, priority and user:
-# app.py; the fair tag: scheduling.py), and the flag kombu sets on a message it requeues (as it does the
+# The headers Celery 5's protocol 2 sends, those replicadp's producers stamp (the send time, priority, tenant and
+# user: app.py; the fair tags: scheduling.py), and the flag kombu sets on a message it requeues (as it does the
 # envelope's and delivery_info's).
 HEADERS = {"lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries", "timelimit",
            "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result", "replaced_task_nesting",
-           "stamped_headers", "stamps", "replicadp_sent_at", "replicadp_priority", "replicadp_user",
-           "replicadp_order", "redelivered"}
+           "stamped_headers", "stamps", "replicadp_sent_at", "replicadp_priority", "replicadp_tenant",
+           "replicadp_user", "replicadp_order", "replicadp_user_order", "redelivered"}
 PROPERTIES = {"correlation_id", "reply_to", "delivery_mode", "delivery_info", "priority", "body_encoding",
               "delivery_tag", "expiration"}
 ENVELOPE = {"body", "content-encoding", "content-type", "headers", "properties", "redelivered"}
@@ -101,7 +101,7 @@ def _check_headers(headers: dict) -> None:
         raise MessageRefused(f"headers.task={headers.get('task')!r}: replicas serve only {TASK_NAME!r}")
     _text(headers, "id", "headers", required=True)
     for key in ("lang", "shadow", "group", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin",
-                "replicadp_priority", "replicadp_user"):
+                "replicadp_priority", "replicadp_tenant", "replicadp_user"):
         _text(headers, key, "headers")
     if headers.get("eta") is not None:
         raise MessageRefused(f"headers.eta={headers['eta']!r}: replicas do not serve eta or countdown (a request "
@@ -117,7 +117,7 @@ def _check_headers(headers: dict) -> None:
             raise MessageRefused(f"headers.timelimit={limits!r}: must be [hard, soft], each null or seconds from 1 "
                                  f"to the replica's REPLICADP_TIME_LIMIT ({SETTINGS.time_limit_s})")
     for key, most in (("retries", 1_000_000), ("group_index", 1_000_000), ("replaced_task_nesting", 1_000_000),
-                      ("replicadp_order", 2**53)):
+                      ("replicadp_order", 2**53), ("replicadp_user_order", 2**53)):
         if headers.get(key) is not None and not _int(headers[key], 0, most):
             raise MessageRefused(f"headers.{key}={headers[key]!r}: not a non-negative integer")
     for key in ("ignore_result", "redelivered"):

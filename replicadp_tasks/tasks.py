@@ -102,7 +102,8 @@ class Delivery:
                 cancelled=lambda: child.current().cancelled(task.request.id))
         params = req.params(image_sha256)
         # Checked by validate_request, with the deployment's policy: only read here.
-        webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=False)
+        webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=False,
+                                tenant=kwargs.get("tenant"))
         return cls(task=task, req=req, image=image, params=params,
                    input_key=input_key(params, SETTINGS.model, pipeline.served(req.quality)),
                    request_id=req.request_id or task.request.id,

@@ -1,6 +1,6 @@
 """kombu's Redis transport, with two additions on request queues.
 
-Producers: a request is placed by its priority and user (scheduling.py), not pushed at the end of one list.
+Producers: a request is placed by its priority, tenant and user (scheduling.py), not pushed at the end of one list.
 
 Replicas: every message popped is checked (message.py) before Celery reads it. A refused message is consumed
 here: recorded as dead with its reason, counted, and failed under its task id when it has one, so that its
@@ -60,9 +60,9 @@ def serves(queue: str) -> bool:
 
 class Channel(kombu_redis.Channel):
     def _put(self, queue, message, **kwargs):
-        """Publish: a request goes where its priority and user put it (REPLICADP_SCHEDULING=fifo: at the end of
-        one list); other messages (control replies) as kombu does. Raises InvalidRequest, in the producer, for a
-        priority or user a replica would refuse."""
+        """Publish: a request goes where its priority, tenant and user put it (REPLICADP_SCHEDULING=fifo: at the
+        end of one list); other messages (control replies) as kombu does. Raises InvalidRequest, in the producer,
+        for a priority, tenant or user a replica would refuse."""
         if not serves(queue):
             return super()._put(queue, message, **kwargs)
         headers, props = message["headers"], message["properties"]
@@ -71,18 +71,23 @@ class Channel(kombu_redis.Channel):
                                                 "request's priority field (interactive, normal, batch)",
                                     value=props["priority"])
         priority = scheduling.check_priority(headers.get("replicadp_priority"))
+        tenant = scheduling.check_tenant(headers.get(scheduling.TENANT_HEADER))
         user = scheduling.check_user(headers.get("replicadp_user"))
         if SETTINGS.scheduling == scheduling.Scheduling.FIFO:
             return super()._put(queue, message, **kwargs)
         # Placed one at a time (kombu's publish batches only LPUSH): each place reads the list as it is now.
         kwargs.pop("_publish_batch", None)
-        # A copy: kombu hands the same message to every queue bound to the exchange. The order header last: after
-        # it come only the properties, so its slot is the message's last occurrence. kombu restores a requeued
-        # request to the list of its properties' priority.
-        placed = {**message, "headers": {**headers, scheduling.ORDER_HEADER: scheduling.ORDER_PLACEHOLDER},
-                  "properties": {**props, "priority": priority.level}}
+        # A copy: kombu hands the same message to every queue bound to the exchange. The tenant, user-order and
+        # order headers last, in that order: after them come only the properties, so each is the message's last
+        # occurrence of its key (the script reads and rewrites them there). kombu restores a requeued request to
+        # the list of its properties' priority.
+        lane = {} if tenant is None else {scheduling.TENANT_HEADER: tenant}
+        lane |= {scheduling.USER_ORDER_HEADER: scheduling.USER_ORDER_PLACEHOLDER,
+                 scheduling.ORDER_HEADER: scheduling.ORDER_PLACEHOLDER}
+        rest = {k: v for k, v in headers.items() if k not in lane}
+        placed = {**message, "headers": {**rest, **lane}, "properties": {**props, "priority": priority.level}}
         with self.conn_or_acquire() as client:
-            scheduling.place(client, self._q_for_pri(queue, priority.level), dumps(placed), user)
+            scheduling.place(client, self._q_for_pri(queue, priority.level), dumps(placed), tenant, user)
 
     def _create_client(self, asynchronous=False):
         client = super()._create_client(asynchronous)

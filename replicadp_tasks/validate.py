@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import InvalidRequest
 from .keys import REQUEST_ID_RE
-from .scheduling import check_priority, check_user
+from .scheduling import check_priority, check_tenant, check_user
 from .step_cache import Quality
 from .webhooks import check_webhook
 
@@ -35,7 +35,7 @@ DEFAULTS = {
     "quality": Quality.STANDARD,  # the exact path; "fast" runs the deployment's step cache (step_cache.py)
 }
 # Where the request waits, not what it makes (scheduling.py): checked here, never part of its identity.
-SCHEDULING_FIELDS = ("priority", "user")
+SCHEDULING_FIELDS = ("priority", "tenant", "user")
 # How the request is told of its events (webhooks.py), not what it makes: checked here, never part of its identity.
 WEBHOOK_FIELDS = ("webhook", "webhook_events")
 FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS, *WEBHOOK_FIELDS)
@@ -152,6 +152,7 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     if "prompt" not in kwargs or kwargs["prompt"] is None:
         _fail("prompt", None, "is required")
     check_priority(kwargs.get("priority"))
+    check_tenant(kwargs.get("tenant"))
     check_user(kwargs.get("user"))
     v = {**DEFAULTS, **{k: x for k, x in kwargs.items()
                         if x is not None and k not in SCHEDULING_FIELDS + WEBHOOK_FIELDS}}

@@ -6,7 +6,14 @@ death), and the senders, threads of every replica's main process, take the event
 An event is delivered at least once: a sender that takes one makes it due again CLAIM_S later, so that if it dies
 sending, another sender takes it; under normal operation an event is sent by one sender only, and each event id
 is queued once (a redelivered request does not queue its events again). A receiver that answers 429 or 5xx, or
-none at all, is tried again with exponential backoff, ATTEMPTS times in all; any other answer is final.
+none at all, is tried again with exponential backoff, ATTEMPTS times in all (counted when taken, so neither a
+sender's death nor a lost Redis reply adds one); any other answer is final. A progress event is tried once.
+
+Tenants: a request sent with an API key carries its owner (`tenant`), and its events are signed with
+tenant_secret(deployment secret, tenant), so that a tenant that verifies its own events cannot sign another's.
+Destinations: at most PER_HOST_SENDS attempts in flight to one host:port across all senders (a host at its cap
+is skipped, not waited on, so one tenant's dead receiver holds that many senders, never all), and a host whose
+attempts fail is not tried for a while (HOST_BASE_DELAY_S doubling up to MAX_HOST_DELAY_S).
 
 A webhook may reach only what an image URL may (fetch.py: public addresses, or REPLICADP_FETCH_ALLOW): checked
 when the request is validated, and again at each send, connecting only to an address just checked.
@@ -32,8 +39,10 @@ import redis
 
 from . import fetch
 from .errors import InvalidRequest
-from .keys import STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_SENT_KEY
+from .keys import (STATS_KEY, WEBHOOK_ATTEMPTS_KEY, WEBHOOK_BACKOFF_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY,
+                   WEBHOOK_FAILS_KEY, WEBHOOK_SENDING_KEY, WEBHOOK_SENT_KEY)
 from .records import Result
+from .scheduling import check_tenant
 from .settings import SETTINGS
 
 log = logging.getLogger("replicadp")
@@ -54,13 +63,26 @@ ATTEMPTS = 5
 BASE_DELAY_S = 1.0
 MAX_DELAY_S = 60.0
 # One attempt, once connected (TLS, the request, the answer's status line and headers): a receiver acknowledges
-# and works afterwards; a slow one must not hold a sender. Each connect has the same bound.
+# and works afterwards; a slow one must not hold a sender.
 SEND_TIMEOUT_S = 5.0
-# A taken event is due again this much later: well past an attempt (connects, SEND_TIMEOUT_S, a DNS lookup),
-# so that no two senders send it, and soon enough after a sender's death.
+CONNECT_TIMEOUT_S = 3.0  # per address: a live host accepts in milliseconds; a dead one must not hold a sender
+# Attempts in flight to one host:port, all senders together: a receiver that never answers holds one sender.
+PER_HOST_SENDS = 1
+# After a host's attempt fails (no answer, 429, 5xx), none to it for 1, 2, 4, 8 s (the failures in a row): no
+# longer than an event's own backoff, so a lone event keeps its schedule; its other events wait with it.
+HOST_BASE_DELAY_S = 1.0
+MAX_HOST_DELAY_S = 8.0
+# Events queued for one request, ever: progress past MAX_EVENTS_PER_REQUEST - 3 is dropped (counted), so that
+# started, completed and failed always have room.
+MAX_EVENTS_PER_REQUEST = 64
+SCAN = 100  # due events a claim looks through for one whose host is free: the others wait POLL_S
+# A taken event is due again this much later (its destination's send slot is held as long): well past an attempt
+# (CONNECT_TIMEOUT_S per address, SEND_TIMEOUT_S, a DNS lookup), so that no two senders send it, and soon enough
+# after a sender's death, or a reply from Redis lost after the attempt.
 CLAIM_S = 60.0
 SENDERS = 2  # threads per replica: one receiver that times out does not hold back the events of the others
-POLL_S = 0.5  # how often an idle sender looks for due events: a Redis script each time
+POLL_S = 0.5  # how often an idle sender looks for due events (a Redis script each time); a busy host's wait
+TENANT_SECRET_CONTEXT = "replicadp-webhook-tenant:"  # keys tenant_secret's HMAC to this one use of the secret
 MAX_ERROR_CHARS = 1000  # of a failure's message in its event
 
 SIGNATURE_HEADER = "X-Replicadp-Signature"  # t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">
@@ -74,6 +96,7 @@ class Webhook:
 
     url: str
     events: frozenset[Event]
+    tenant: str | None = None  # the API key's owner that sent the request: whose secret signs its events
 
 
 class Failure(TypedDict):
@@ -100,26 +123,59 @@ class Queued(TypedDict):
     """An event waiting in Redis (WEBHOOK_EVENTS_KEY) for a sender."""
 
     url: str
+    dest: str  # host:port, the unit of isolation (PER_HOST_SENDS, host backoff)
+    tenant: str | None  # signs with tenant_secret(...) when set, else with the deployment secret
     payload: Payload
-    attempts: int  # made so far
 
 
-# Queue an event unless its id was queued for this task before (a redelivery), due now by Redis's clock.
-_QUEUE = ("if redis.call('hsetnx', KEYS[1], ARGV[1], 1) == 0 then return 0 end "
+# Queue an event unless its id was queued for this task before (a redelivery), due now by Redis's clock; a
+# progress event only while the task has fewer than ARGV[5] events (else counted as dropped).
+_QUEUE = ("if ARGV[4] == '1' and redis.call('hlen', KEYS[1]) >= tonumber(ARGV[5]) then "
+          "redis.call('hincrby', KEYS[4], 'webhook_progress_dropped', 1) return 0 end "
+          "if redis.call('hsetnx', KEYS[1], ARGV[1], 1) == 0 then return 0 end "
           "redis.call('expire', KEYS[1], ARGV[3]) local t = redis.call('time') "
           "redis.call('hset', KEYS[3], ARGV[1], ARGV[2]) "
           "redis.call('zadd', KEYS[2], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1]) return 1")
-# Take the first due event: it stays queued, due again ARGV[1] seconds later (unless sent or retried by then).
+# Take the first due event whose host is neither backing off (the event is due again when that ends) nor at its
+# cap of sends in flight (it waits ARGV[5] s; the next due event is looked at): it stays queued, due again ARGV[1] s
+# later (unless retried or done by then), and its attempt is counted now. An event whose attempts were all taken (its
+# last sender died, or lost Redis's reply) is given up instead of being sent again.
 _CLAIM = ("local t = redis.call('time') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6 "
-          "local due = redis.call('zrangebyscore', KEYS[1], '-inf', now, 'limit', 0, 1) "
-          "if #due == 0 then return false end "
-          "local queued = redis.call('hget', KEYS[2], due[1]) "
-          "if not queued then redis.call('zrem', KEYS[1], due[1]) return false end "
-          "redis.call('zadd', KEYS[1], now + tonumber(ARGV[1]), due[1]) return {due[1], queued}")
-# Try again ARGV[3] seconds from now, unless it is gone (another sender, which took it later, finished it).
-_RETRY = ("if not redis.call('zscore', KEYS[1], ARGV[1]) then return 0 end local t = redis.call('time') "
-          "redis.call('zadd', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[3]), ARGV[1]) "
-          "redis.call('hset', KEYS[2], ARGV[1], ARGV[2]) return 1")
+          "local due = redis.call('zrangebyscore', KEYS[1], '-inf', now, 'limit', 0, tonumber(ARGV[3])) "
+          "for _, eid in ipairs(due) do "
+          " local queued = redis.call('hget', KEYS[2], eid) "
+          " if not queued then redis.call('zrem', KEYS[1], eid) redis.call('hdel', KEYS[3], eid) else "
+          "  local record = cjson.decode(queued) local dest = record.dest or '' "
+          "  local most = tonumber(ARGV[6]) if record.payload.event == 'progress' then most = 1 end "
+          "  local until_ = tonumber(redis.call('zscore', KEYS[4], dest) or 0) "
+          "  local sending = ARGV[4] .. dest "
+          "  redis.call('zremrangebyscore', sending, '-inf', now) "
+          "  if tonumber(redis.call('hget', KEYS[3], eid) or 0) >= most then "
+          "   redis.call('zrem', KEYS[1], eid) redis.call('hdel', KEYS[2], eid) redis.call('hdel', KEYS[3], eid) "
+          "   redis.call('hincrby', KEYS[5], most == 1 and 'webhook_progress_dropped' or 'webhook_give_ups', 1) "
+          "  elseif until_ > now then redis.call('zadd', KEYS[1], until_, eid) "
+          "  elseif redis.call('zcard', sending) >= tonumber(ARGV[2]) then "
+          "   redis.call('zadd', KEYS[1], now + tonumber(ARGV[5]), eid) "
+          "  else "
+          "   local claim = now + tonumber(ARGV[1]) local attempt = redis.call('hincrby', KEYS[3], eid, 1) "
+          "   redis.call('zadd', sending, claim, eid) "
+          "   redis.call('expire', sending, math.ceil(tonumber(ARGV[1])) + 1) "
+          "   redis.call('zadd', KEYS[1], claim, eid) return {eid, queued, attempt} "
+          "  end "
+          " end "
+          "end return false")
+# An attempt's end: its host's send slot freed; the host backs off (ARGV[5] '1': ARGV[8] s doubling per failure in
+# a row, up to ARGV[9]) or is clear again; then, unless a later claim took the event (its attempts moved past
+# ARGV[2]), the event is due again ARGV[6] s from now, or (ARGV[6] '') done, counted in ARGV[7] if not ''.
+_DONE = ("local eid, dest = ARGV[1], ARGV[3] redis.call('zrem', ARGV[4] .. dest, eid) "
+         "local t = redis.call('time') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6 "
+         "if ARGV[5] == '1' then local n = redis.call('hincrby', KEYS[6], dest, 1) "
+         " redis.call('zadd', KEYS[5], now + math.min(tonumber(ARGV[9]), tonumber(ARGV[8]) * 2 ^ (n - 1)), dest) "
+         "else redis.call('hdel', KEYS[6], dest) redis.call('zrem', KEYS[5], dest) end "
+         "if redis.call('hget', KEYS[3], eid) ~= ARGV[2] then return 0 end "
+         "if ARGV[6] ~= '' then redis.call('zadd', KEYS[1], now + tonumber(ARGV[6]), eid) return 1 end "
+         "redis.call('zrem', KEYS[1], eid) redis.call('hdel', KEYS[2], eid) redis.call('hdel', KEYS[3], eid) "
+         "if ARGV[7] ~= '' then redis.call('hincrby', KEYS[4], ARGV[7], 1) end return 1")
 
 
 def available() -> bool:
@@ -127,9 +183,10 @@ def available() -> bool:
     return SETTINGS.webhooks and bool(SETTINGS.webhook_secret)
 
 
-def check_webhook(url, events, *, policy: bool) -> Webhook | None:
+def check_webhook(url, events, *, policy: bool, tenant=None) -> Webhook | None:
     """The webhook a request names (None: none): `url` (the `webhook` field) an http(s) URL of at most
-    MAX_URL_CHARS, `events` (`webhook_events`) a list of Event values, or None for DEFAULT_EVENTS. With `policy`,
+    MAX_URL_CHARS, `events` (`webhook_events`) a list of Event values, or None for DEFAULT_EVENTS, signed for
+    `tenant` (the `tenant` field: None, or an API key's owner id, scheduling.check_tenant). With `policy`,
     also what this deployment allows: webhooks on (REPLICADP_WEBHOOKS), a secret (REPLICADP_WEBHOOK_SECRET), and
     every address of the host public or in REPLICADP_FETCH_ALLOW (a DNS lookup). Raises InvalidRequest naming
     the field and the value."""
@@ -163,6 +220,7 @@ def check_webhook(url, events, *, policy: bool) -> Webhook | None:
         chosen = frozenset(Event(e) for e in events)
     else:
         raise InvalidRequest.of("webhook_events", f"must be a non-empty list of {', '.join(Event)}", value=events)
+    tenant = check_tenant(tenant)
     if policy:
         if not SETTINGS.webhooks:
             raise InvalidRequest.of("webhook", "webhooks are switched off here (REPLICADP_WEBHOOKS=0)", value=url)
@@ -170,7 +228,7 @@ def check_webhook(url, events, *, policy: bool) -> Webhook | None:
             raise InvalidRequest.of("webhook", "webhooks are not set up here: they are signed, and "
                                                "REPLICADP_WEBHOOK_SECRET is not set", value=url)
         fetch.target(url, SETTINGS.fetch_allow, lambda why: InvalidRequest.of("webhook", why, value=url))
-    return Webhook(url, chosen)
+    return Webhook(url, chosen, tenant)
 
 
 def event_id(task_id: str, event: Event, step: int | None = None) -> str:
@@ -186,10 +244,11 @@ def emit(client: redis.Redis, webhook: Webhook | None, event: Event, *, task_id:
     eid = event_id(task_id, event, fields.get("step"))
     payload = Payload(id=eid, event=event, request_id=request_id, task_id=task_id, time=time.time(),
                       replica=replica, **fields)
-    queued = Queued(url=webhook.url, payload=payload, attempts=0)
+    queued = Queued(url=webhook.url, dest=destination(webhook.url), tenant=webhook.tenant, payload=payload)
     try:
-        client.eval(_QUEUE, 3, WEBHOOK_SENT_KEY + task_id, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, eid,
-                    json.dumps(queued, default=repr), SETTINGS.result_ttl_s)
+        client.eval(_QUEUE, 4, WEBHOOK_SENT_KEY + task_id, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, STATS_KEY, eid,
+                    json.dumps(queued, default=repr), SETTINGS.result_ttl_s, "1" if event == Event.PROGRESS else "",
+                    MAX_EVENTS_PER_REQUEST - 3)
     except redis.RedisError as exc:
         log.warning("webhook: cannot queue event %s: %s", eid, exc)
 
@@ -200,13 +259,27 @@ def emit_failure(client: redis.Redis, kwargs: dict, task_id: str, replica: str |
     if not available():
         return
     try:
-        webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=True)
-    except InvalidRequest:  # the webhook itself was what failed it, or may not be reached
+        webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=True,
+                                tenant=kwargs.get("tenant"))
+    except InvalidRequest:  # the webhook itself (or its tenant) was what failed it, or may not be reached
         return
     request_id = kwargs.get("request_id")
     emit(client, webhook, Event.FAILED, task_id=task_id,
          request_id=request_id if isinstance(request_id, str) else task_id, replica=replica,
          error=Failure(type=type(exc).__name__, message=str(exc)[:MAX_ERROR_CHARS]))
+
+
+def destination(url: str) -> str:
+    """The host:port that `url` reaches (lower case; the scheme's port if none): the unit of isolation."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def tenant_secret(deployment_secret: str, tenant: str) -> str:
+    """The secret that signs `tenant`'s events: hex HMAC-SHA256, keyed by the deployment's secret, of
+    TENANT_SECRET_CONTEXT + tenant. One tenant's secret tells nothing of another's, nor of the deployment's."""
+    check_tenant(tenant)
+    return hmac.new(deployment_secret.encode(), (TENANT_SECRET_CONTEXT + tenant).encode(), hashlib.sha256).hexdigest()
 
 
 def signature(secret: str, timestamp: int, body: bytes) -> str:
@@ -270,9 +343,10 @@ def _connect(infos) -> socket.socket:
     error = None
     for family, type_, proto, _, sockaddr in infos:
         sock = socket.socket(family, type_, proto)
-        sock.settimeout(SEND_TIMEOUT_S)
+        sock.settimeout(CONNECT_TIMEOUT_S)
         try:
             sock.connect(sockaddr)
+            sock.settimeout(SEND_TIMEOUT_S)
             return sock
         except OSError as exc:
             error = exc
@@ -300,7 +374,9 @@ class Sender:
         failing = False
         while True:
             try:
-                claimed = self.redis.eval(_CLAIM, 2, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, CLAIM_S)
+                claimed = self.redis.eval(_CLAIM, 5, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_ATTEMPTS_KEY,
+                                          WEBHOOK_BACKOFF_KEY, STATS_KEY, CLAIM_S, PER_HOST_SENDS, SCAN,
+                                          WEBHOOK_SENDING_KEY, POLL_S, ATTEMPTS)
                 failing = False
             except redis.RedisError as exc:
                 if not failing:  # once per outage
@@ -311,28 +387,28 @@ class Sender:
                 time.sleep(POLL_S)
                 continue
             try:
-                self.send(claimed[0].decode(), json.loads(claimed[1]))
+                self.send(claimed[0].decode(), json.loads(claimed[1]), int(claimed[2]))
             except Exception:  # never let a sender die with a bug in one event; it is due again after CLAIM_S
                 log.exception("webhook: sending failed")
 
-    def send(self, eid: str, queued: Queued) -> None:
-        """One attempt at a taken event, and what follows: done, due again later, or given up."""
+    def send(self, eid: str, queued: Queued, attempt: int) -> None:
+        """Attempt `attempt` (1-based) at a taken event, and what follows: done, due again later, or given up."""
         body = json.dumps(queued["payload"], separators=(",", ":")).encode()
+        tenant = queued.get("tenant")
+        secret = self.secret if tenant is None else tenant_secret(self.secret, tenant)
         now = int(time.time())
         outcome, why = post(queued["url"], body, {
             EVENT_ID_HEADER: eid, EVENT_HEADER: queued["payload"]["event"],
-            SIGNATURE_HEADER: f"t={now},v1={signature(self.secret, now, body)}"}, self.allow_nets)
-        attempts = queued["attempts"] + 1
-        if outcome == Outcome.RETRY and attempts < ATTEMPTS:
-            self.redis.eval(_RETRY, 2, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, eid,
-                            json.dumps({**queued, "attempts": attempts}), backoff(attempts))
-            return
-        pipe = self.redis.pipeline()
-        pipe.zrem(WEBHOOK_DUE_KEY, eid)
-        pipe.hdel(WEBHOOK_EVENTS_KEY, eid)
-        if outcome != Outcome.DELIVERED:
-            pipe.hincrby(STATS_KEY, "webhook_give_ups", 1)
+            SIGNATURE_HEADER: f"t={now},v1={signature(secret, now, body)}"}, self.allow_nets)
+        progress = queued["payload"]["event"] == Event.PROGRESS
+        retry = outcome == Outcome.RETRY and not progress and attempt < ATTEMPTS  # progress: one attempt only
+        counter = "" if outcome == Outcome.DELIVERED or retry else (
+            "webhook_progress_dropped" if progress else "webhook_give_ups")
+        dest = queued.get("dest") or destination(queued["url"])
+        self.redis.eval(_DONE, 6, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_ATTEMPTS_KEY, STATS_KEY,
+                        WEBHOOK_BACKOFF_KEY, WEBHOOK_FAILS_KEY, eid, attempt, dest, WEBHOOK_SENDING_KEY,
+                        "1" if outcome == Outcome.RETRY else "", backoff(attempt) if retry else "", counter,
+                        HOST_BASE_DELAY_S, MAX_HOST_DELAY_S)
+        if counter:
             # The host only: a URL's path or query may hold the receiver's token.
-            log.warning("webhook: gave up on event %s to %s after %d attempt(s): %s", eid,
-                        urllib.parse.urlsplit(queued["url"]).netloc, attempts, why)
-        pipe.execute()
+            log.warning("webhook: gave up on event %s to %s after %d attempt(s): %s", eid, dest, attempt, why)

@@ -6,6 +6,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +101,57 @@ def test_bad_options_are_usage_errors_naming_the_option(redis_db):
                                 (["--steps", "0"], "--steps", "0"), (["--image", "nope.png"], "--image", "nope.png")):
         run = cli("generate", "x", *args, redis_url=url)
         assert run.returncode == 2 and f"Invalid value for '{option}'" in run.stderr and value in run.stderr, run.stderr
+
+
+def test_sizes_and_qualities_are_checked_against_the_live_replicas(served, tmp_path):
+    """Against a tiny-model replica (Wan2.2-TI2V: sizes in multiples of 32) without a step cache: a height of 48
+    (a multiple of 16) and quality=fast are usage errors (exit 2) naming the option, the field, the value and what
+    the replicas take, before anything is sent; a batch file with such a line is refused as malformed (exit 1),
+    naming the line, before anything is sent (before, both were sent and failed on the replica)."""
+    run = cli("generate", "x", "--size", "64x48", "--num-frames", "9", "--steps", "4", redis_url=served)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Invalid value for '--size': height=48: must be a multiple of 32" in run.stderr and "sent" not in run.stderr
+    fast = cli("generate", "x", *SMALL, "--quality", "fast", redis_url=served)
+    assert fast.returncode == 2, fast.stdout + fast.stderr
+    assert "Invalid value for '--quality': quality='fast': not served here: these replicas serve standard only" in \
+        fast.stderr and "sent" not in fast.stderr
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(json.dumps({"prompt": "x", "width": 64, "height": 48, "num_frames": 9,
+                                 "num_inference_steps": 4}) + "\n")
+    sub = cli("submit", str(batch), redis_url=served)
+    assert sub.returncode == 1 and "line 1: height=48: must be a multiple of 32" in sub.stderr, sub.stdout + sub.stderr
+    assert not (tmp_path / "batch.jsonl.results.jsonl").exists()
+
+
+def test_status_shows_each_replicas_fast_path(served, redis_db):
+    """`status --json` and its table say per replica whether it serves quality=fast and with which step cache:
+    the module's replica (no cache) serves standard only, no fast path; one started with
+    REPLICADP_CACHE=first-block serves both, with `first-block threshold=0.05` (diffusers' default threshold)."""
+    plain = cli("status", "--json", redis_url=served)
+    assert plain.returncode == 0, plain.stderr
+    assert [(r["qualities"], r["fast_path"]) for r in json.loads(plain.stdout)["replicas"]] == [(["standard"], None)]
+    url = redis_db()
+    group = start_replicas(1, url, "cli-fast", REPLICADP_CACHE="first-block")
+    try:
+        cached = cli("status", "--json", redis_url=url)
+        shown = cli("status", redis_url=url)
+    finally:
+        group.stop()
+    assert cached.returncode == 0 and shown.returncode == 0, cached.stderr + shown.stderr
+    assert [(r["name"], r["qualities"], r["fast_path"]) for r in json.loads(cached.stdout)["replicas"]] == \
+        [(group.names[0], ["standard", "fast"], "first-block threshold=0.05")]
+    assert "fast path" in shown.stdout and "first-block threshold=0.05" in shown.stdout, shown.stdout
+
+
+def test_serve_http_on_a_busy_port_says_so(redis_db):
+    """serve-http on an address something already listens on exits 5 (Exit.PORT_IN_USE) before it starts, saying
+    which address is in use (before: uvicorn's bind error in the log, and 3, the status of an unreachable Redis)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = cli("serve-http", "--port", str(port), redis_url=redis_db(), timeout=60)
+    assert run.returncode == 5 and f"127.0.0.1:{port} is in use" in run.stderr, run.stdout + run.stderr
 
 
 def test_generate_without_replicas_or_redis_is_unavailable(redis_db):

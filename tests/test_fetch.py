@@ -132,7 +132,7 @@ def refused_text(url, **kwargs) -> tuple[str, str]:
 
 @pytest.mark.parametrize("template, reason", [
     ("http://127.0.0.1:{port}/x.png", "address 127.0.0.1 of host '127.0.0.1' is loopback"),
-    ("http://localhost:{port}/x.png", "of host 'localhost' is loopback"),
+    ("http://localhost:{port}/x.png", "an address of host 'localhost' is not public"),  # not which one
     ("http://2130706433:{port}/x.png", "address 127.0.0.1 of host '2130706433' is loopback"),
     ("http://[::1]:{port}/x.png", "address ::1 of host '::1' is loopback"),
     ("http://0.0.0.0:{port}/x.png", "address 0.0.0.0 of host '0.0.0.0' is unspecified"),

@@ -160,7 +160,9 @@ VALID = {
     "image": st.just(base64.b64encode(png_bytes()).decode()),
     "request_id": st.uuids().map(str),
     "priority": st.sampled_from(["interactive", "normal", "batch"]),
-    "user": PRINTABLE,
+    "tenant": st.sampled_from(["acme", "team-1.prod_2"]),
+    "user": st.text(st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Cn", "Zl", "Zp")), min_size=1,
+                    max_size=60),  # scheduling.check_user refuses invisible and control characters
     "quality": st.just("standard"),  # the session's replicas have no step cache: fast is a mistake here
     "webhook": st.just("https://example.com/hook"),  # refused here all the same: these replicas have no secret
     "webhook_events": st.sampled_from([["completed"], ["started", "progress", "completed", "failed"]]),
@@ -180,7 +182,8 @@ MISTAKES = {
                               "data:image/png;base64,!!"]),
     "request_id": st.sampled_from(["../../etc/passwd", "a" * 200, "x\x00y", "bad id", "/abs", ""]),
     "priority": st.sampled_from(["urgent", "HIGH", "", 0, 9]),
-    "user": st.sampled_from(["", "a\x00b", "\x1b[2J", "u" * 300, 7]),
+    "tenant": st.sampled_from(["", "-acme", "a b", "t" * 65, "a\u200bb", 7]),
+    "user": st.sampled_from(["", "a\x00b", "\x1b[2J", "u" * 300, 7, "ali\u200bce", "\u202eevil", "a\x85b"]),
     "quality": st.sampled_from(["fast", "hd", "", "STANDARD", 1]),
     "webhook": st.sampled_from(["ftp://example.com/x", "http://127.0.0.1:1/x", "http://user:pw@example.com/", "",
                                 "http://example.com/" + "a" * 3000, "http://example.com/a\x00b"]),

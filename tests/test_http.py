@@ -340,6 +340,24 @@ def test_health_is_503_without_a_live_replica(closed, live, replicas):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
 
 
+def test_models_list_each_replicas_fast_path(live, replicas, redis_db):
+    """/v1/models lists under the served model each live replica and its fast path: the session's replicas (no
+    step cache) serve standard only, no fast path; one started with REPLICADP_CACHE=first-block serves fast with
+    `first-block threshold=0.05`."""
+    card, = live.client.get("/v1/models").json()["data"]
+    assert sorted(card["replicas"], key=lambda r: r["name"]) == [
+        {"name": n, "qualities": ["standard"], "fast_path": None} for n in sorted(replicas.names)]
+    url = redis_db()
+    group = start_replicas(1, url, "http-fast", REPLICADP_CACHE="first-block")
+    try:
+        with gateway(url, "fast") as gw:
+            card, = gw.client.get("/v1/models").json()["data"]
+    finally:
+        group.stop()
+    assert card["id"] == "tiny" and card["replicas"] == [
+        {"name": group.names[0], "qualities": ["standard", "fast"], "fast_path": "first-block threshold=0.05"}]
+
+
 def test_past_the_queue_depth_requests_get_429(redis_db):
     """With --max-queue 1 and nothing taking requests, the first is queued and the next ones, async or sync,
     are refused with 429 and a Retry-After in seconds instead of queueing without bound."""
@@ -543,7 +561,9 @@ def test_each_api_key_sees_only_its_own_jobs(redis_db):
 
 
 def test_a_bad_api_key_stops_the_gateway_from_starting(redis_db, tmp_path):
-    """A key with a space in a keys file is refused at start (exit 2), naming the file and line, never the key."""
+    """A keys-file line whose word after the key is no `name=`/`max_priority=` attribute (a key with a space, say)
+    is refused at start (exit 2), naming the file and line, never the key (tests/test_tenants.py: the rest of the
+    format)."""
     keys_file = tmp_path / "keys"
     keys_file.write_text("good-key-0123456789\nbad key\n")
     run = subprocess.run([REPLICADP, "serve-http", "--api-keys-file", str(keys_file)], capture_output=True,

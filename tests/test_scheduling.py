@@ -1,5 +1,6 @@
 """Scheduling (replicadp_tasks/scheduling.py): a replica takes the highest priority waiting, round robin across
-users within a priority, FIFO within a user; a requeued request goes back to the head of its own priority.
+tenants within a priority, then across users within a tenant, FIFO within a user; a requeued request goes back to
+the head of its own priority.
 
 The order tests queue every request before the replica that serves them starts, so the order it takes them in
 is the queue's alone, on any machine: one replica runs one request at a time, and completes them in the order
@@ -85,6 +86,55 @@ def test_round_robin_across_users(redis_db):
         assert served_order(app, results) == expected
 
 
+def test_tenants_alternate_whatever_number_of_users_they_name(redis_db):
+    """Tenant A sends six requests as six users, then tenant B six as one user: the replica takes them A, B, A,
+    B, ...: inventing users gains a tenant no turns (one lane per user gave A's six first)."""
+    url = redis_db()
+    app = _app_for(url)
+    results = [send(app, f"A {i}", tenant="A", user=f"made-up {i}") for i in range(6)]
+    results += [send(app, f"B {i}", tenant="B", user="b") for i in range(6)]
+    expected = [f"{t} {i}" for i in range(6) for t in "AB"]
+    assert queued(redis.Redis.from_url(url))[1] == expected
+    with serving(url, "tenants"):
+        assert served_order(app, results) == expected
+
+
+def test_a_new_user_takes_its_turn_within_its_tenant_only(redis_db):
+    """Tenant A's user u1 sends three requests, tenant B three, then A's new user u2 two: u2 alternates with u1
+    inside A's turns (its requests move ahead of u1's later ones), and A and B still alternate; B's turns do not
+    move. One lane per user gave u2 turns of its own between B's."""
+    url = redis_db()
+    app = _app_for(url)
+    results = [send(app, f"u1 {i}", tenant="A", user="u1") for i in range(3)]
+    results += [send(app, f"B {i}", tenant="B") for i in range(3)]
+    results += [send(app, f"u2 {i}", tenant="A", user="u2") for i in range(2)]
+    expected = ["u1 0", "B 0", "u2 0", "B 1", "u1 1", "B 2", "u2 1", "u1 2"]
+    assert queued(redis.Redis.from_url(url))[1] == expected
+    with serving(url, "tenant-users"):
+        assert served_order(app, results) == expected
+
+
+def test_a_user_name_does_not_join_another_tenants_lane(redis_db):
+    """Tenants A and B and the unnamed tenant all send as user "alice": each is a lane of its own, so they
+    alternate (one lane for the name gave A's three, then B's, then the unnamed one's)."""
+    url = redis_db()
+    app = _app_for(url)
+    for tenant in ("A", "B", None):
+        for i in range(3 if tenant else 1):
+            send(app, f"{tenant} {i}", tenant=tenant, user="alice")
+    assert queued(redis.Redis.from_url(url))[1] == ["A 0", "B 0", "None 0", "A 1", "B 1", "A 2", "B 2"]
+
+
+def test_users_alternate_within_a_tenant(redis_db):
+    """Within one tenant, users take turns and each user's requests stay in the order sent, as without tenants."""
+    url = redis_db()
+    app = _app_for(url)
+    for user, count in (("x", 3), ("y", 2)):
+        for i in range(count):
+            send(app, f"{user} {i}", tenant="A", user=user)
+    assert queued(redis.Redis.from_url(url))[1] == ["x 0", "y 0", "x 1", "y 1", "x 2"]
+
+
 def test_a_requeued_request_keeps_its_priority(redis_db):
     """An interactive request whose pool child is killed mid-request goes back to the head of the interactive
     list: once the replica has reloaded, it runs again before the interactive request sent after it, and both
@@ -100,16 +150,24 @@ def test_a_requeued_request_keeps_its_priority(redis_db):
         assert int(redis.Redis.from_url(url).get(ATTEMPTS_KEY + first.id)) == 2
 
 
-def test_bad_priority_or_user_is_refused_before_it_is_sent(redis_db):
-    """A priority or user a replica would refuse raises InvalidRequest naming the field in the caller, and
-    nothing is queued; so does Celery's own priority option, which replicadp does not read."""
+def test_bad_priority_tenant_or_user_is_refused_before_it_is_sent(redis_db):
+    """A priority, tenant or user a replica would refuse raises InvalidRequest naming the field in the caller,
+    and nothing is queued; so does Celery's own priority option, which replicadp does not read. A user with an
+    invisible or control character (zero-width space, bidi override, C1's NEL, a line separator, a surrogate, an
+    unassigned code point) is refused, saying so."""
     url = redis_db()
     app = _app_for(url)
     for fields, field in (({"priority": "urgent"}, "priority"), ({"priority": 1}, "priority"),
-                          ({"user": ""}, "user"), ({"user": "a\x00b"}, "user"), ({"user": "u" * 257}, "user")):
+                          ({"user": ""}, "user"), ({"user": "a\x00b"}, "user"), ({"user": "u" * 257}, "user"),
+                          ({"tenant": ""}, "tenant"), ({"tenant": "-a"}, "tenant"), ({"tenant": "a b"}, "tenant"),
+                          ({"tenant": "t" * 65}, "tenant"), ({"tenant": 7}, "tenant")):
         with pytest.raises(InvalidRequest) as caught:
             send(app, "refused", **fields)
         assert caught.value.field == field and str(caught.value).startswith(f"{field}=")
+    for char in ("\u200b", "\u202e", "\x85", "\u2028", "\ud800", "\U000e0080"):
+        with pytest.raises(InvalidRequest, match="invisible and control characters are refused") as caught:
+            send(app, "refused", user=f"ali{char}ce")
+        assert caught.value.field == "user" and str(caught.value).startswith("user=")
     with pytest.raises(InvalidRequest, match="apply_async priority option"):
         app.send_task("replicadp.generate", kwargs=SHORT, priority=9)
     assert queue_depth(redis.Redis.from_url(url)) == 0

@@ -13,17 +13,22 @@ from types import SimpleNamespace
 
 import pytest
 import redis
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, wait_for, wait_for_step
 from test_http import gateway, post
 
 from client.api import _app_for
+from client.cli import main as cli
+from client.ops.metrics import Exporter
 from client.local.embedded import EmbeddedServer
 from client.submit import request_id_for
 from replicadp_tasks.errors import InvalidRequest, RequestCancelled
 from replicadp_tasks.keys import CANCEL_KEY, STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_SENT_KEY
 from replicadp_tasks.validate import input_key, validate_request
-from replicadp_tasks.webhooks import DEFAULT_EVENTS, Event, Webhook, emit
+from replicadp_tasks.webhooks import (ATTEMPTS, DEFAULT_EVENTS, MAX_EVENTS_PER_REQUEST, Event, Webhook, backoff,
+                                      emit, tenant_secret)
 
 SECRET = "test-webhook-secret-0123456789abcdef"
 SMALL = {"prompt": "a fox in snow", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
@@ -38,8 +43,9 @@ def verify(secret: str, header: str, body: bytes) -> bool:
 
 
 class Receiver:
-    """A webhook receiver on `host`: keeps every POST by path, answers a path's scripted statuses first (then
-    200), and holds every answer on a path while `holds[path]` is not set."""
+    """A webhook receiver on `host`: keeps every POST by path (with `at`, when it arrived: time.monotonic()),
+    answers a path's scripted statuses first (then 200), and holds every answer on a path while `holds[path]` is
+    not set."""
 
     def __init__(self, host: str = "127.0.0.1"):
         self.posts: dict[str, list] = defaultdict(list)
@@ -52,7 +58,7 @@ class Receiver:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.posts[self.path].append(SimpleNamespace(headers=self.headers, body=body,
-                                                                 payload=json.loads(body)))
+                                                                 payload=json.loads(body), at=time.monotonic()))
                 hold = receiver.holds.get(self.path)
                 if hold is not None:
                     hold.wait(120)
@@ -123,6 +129,17 @@ def give_ups(client: redis.Redis) -> int:
     return int(client.hget(STATS_KEY, "webhook_give_ups") or 0)
 
 
+def progress_dropped(client: redis.Redis) -> int:
+    return int(client.hget(STATS_KEY, "webhook_progress_dropped") or 0)
+
+
+def scraped(client: redis.Redis, name: str) -> float:
+    """`name`'s value as `replicadp metrics` serves it, scraped from `client`'s database."""
+    registry = CollectorRegistry()
+    Exporter(registry).redis = client
+    return registry.get_sample_value(name)
+
+
 # --- validation, in this process ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, field, why", [
@@ -165,6 +182,45 @@ def test_an_event_is_queued_once_per_task(redis_db):
         emit(client, hook, Event.COMPLETED, task_id=task_id, request_id="same", replica=None, result={})
     emit(client, hook, Event.STARTED, task_id="task-a", request_id="same", replica=None)  # not asked for
     assert {m.decode() for m in client.zrange(WEBHOOK_DUE_KEY, 0, -1)} == {"task-a.completed", "task-b.completed"}
+
+
+def test_tenant_secrets_are_derived_and_apart():
+    """A tenant's secret is HMAC-SHA256(deployment secret, "replicadp-webhook-tenant:" + tenant), hex: the same
+    each time, another for another tenant or another deployment secret, never the deployment secret; a tenant
+    id no API key may have is refused, naming `tenant`."""
+    a, b = tenant_secret(SECRET, "tenant-a"), tenant_secret(SECRET, "tenant-b")
+    assert a == hmac.new(SECRET.encode(), b"replicadp-webhook-tenant:tenant-a", hashlib.sha256).hexdigest()
+    assert len({a, b, SECRET, tenant_secret("another deployment", "tenant-a")}) == 4
+    with pytest.raises(InvalidRequest) as caught:
+        tenant_secret(SECRET, "a tenant")
+    assert caught.value.field == "tenant"
+
+
+def test_webhook_secret_command():
+    """`replicadp webhook-secret TENANT` prints the tenant's secret, derived from REPLICADP_WEBHOOK_SECRET; without
+    that variable, or with a tenant id no key may have, it exits 2 saying why."""
+    printed = CliRunner().invoke(cli, ["webhook-secret", "tenant-b"], env={"REPLICADP_WEBHOOK_SECRET": SECRET})
+    assert printed.exit_code == 0, printed.output
+    assert printed.output == tenant_secret(SECRET, "tenant-b") + "\n"
+    unset = CliRunner().invoke(cli, ["webhook-secret", "tenant-b"], env={"REPLICADP_WEBHOOK_SECRET": ""})
+    assert unset.exit_code == 2 and "REPLICADP_WEBHOOK_SECRET is not set" in unset.output
+    bad = CliRunner().invoke(cli, ["webhook-secret", "-x"], env={"REPLICADP_WEBHOOK_SECRET": SECRET})
+    assert bad.exit_code == 2 and "TENANT" in bad.output
+
+
+def test_progress_past_a_requests_cap_is_dropped_first(redis_db):
+    """A request queues at most MAX_EVENTS_PER_REQUEST events: progress events past MAX_EVENTS_PER_REQUEST - 3
+    are dropped (counted in webhook_progress_dropped), and its started and completed are still queued."""
+    client = redis.Redis.from_url(redis_db())
+    hook = Webhook("http://127.0.0.1:9/hook", frozenset(Event))
+    emit(client, hook, Event.STARTED, task_id="capped", request_id="capped", replica=None)
+    for step in range(1, 81):
+        emit(client, hook, Event.PROGRESS, task_id="capped", request_id="capped", replica=None, step=step,
+             total_steps=80)
+    emit(client, hook, Event.COMPLETED, task_id="capped", request_id="capped", replica=None, result={})
+    ids = queued(client, "capped")
+    assert {"capped.started", "capped.completed"} <= ids and len(ids) <= MAX_EVENTS_PER_REQUEST
+    assert progress_dropped(client) == 80 - sum(".progress." in i for i in ids) > 0
 
 
 # --- with a real replica --------------------------------------------------------------------------------
@@ -252,6 +308,123 @@ def test_events_never_block_the_replica(hooked, receiver):
     receiver.holds["/held"].set()
     wait_for(lambda: delivered(hooked.redis, f"{first.id}.completed"), "the held event to be delivered")
     assert give_ups(hooked.redis) == before
+
+
+def test_a_tenants_events_are_signed_with_its_own_secret(hooked, receiver):
+    """The events of a request sent for tenant B (its `tenant` kwarg, as the gateway sets it), `completed` and
+    `failed`, are signed with B's secret (what `replicadp webhook-secret tenant-b` prints): they verify with that,
+    and neither with the deployment secret nor with tenant A's; an event without a tenant keeps the deployment
+    secret."""
+    printed = CliRunner().invoke(cli, ["webhook-secret", "tenant-b"], env={"REPLICADP_WEBHOOK_SECRET": SECRET})
+    done = hooked.app.send_task("replicadp.generate", kwargs={**SMALL, "webhook": receiver.url("/tenant-b"),
+                                                              "tenant": "tenant-b", "seed": 7})
+    done.get(timeout=120)
+    bad = hooked.app.send_task("replicadp.generate", kwargs={**SMALL, "num_frames": 6, "tenant": "tenant-b",
+                                                             "webhook": receiver.url("/tenant-b-bad")})
+    with pytest.raises(InvalidRequest):
+        bad.get(timeout=120)
+    emit(hooked.redis, Webhook(receiver.url("/no-tenant"), DEFAULT_EVENTS), Event.COMPLETED,
+         task_id="no-tenant-task", request_id="no-tenant-task", replica=None, result={})
+    [completed] = posts_at(receiver, "/tenant-b")
+    [failed] = posts_at(receiver, "/tenant-b-bad")
+    assert (completed.payload["event"], failed.payload["event"]) == ("completed", "failed")
+    for event in (completed, failed):
+        header = event.headers["X-Replicadp-Signature"]
+        assert verify(printed.output.strip(), header, event.body)
+        assert not verify(SECRET, header, event.body)
+        assert not verify(tenant_secret(SECRET, "tenant-a"), header, event.body)
+    [plain] = posts_at(receiver, "/no-tenant")
+    assert verify(SECRET, plain.headers["X-Replicadp-Signature"], plain.body)
+
+
+def test_a_hanging_receiver_does_not_delay_another_tenants_events(hooked):
+    """Tenant A's receiver holds every answer (each of its sends waits out the read timeout) and A has 6 events
+    due first; tenant B's `completed`, queued after them to another receiver, arrives while A's receiver has had
+    fewer than 6 POSTs (one at a time: a host at its cap is skipped, not waited on), signed with B's secret. Had
+    been: both senders of the replica took A's events, 5 s each, and B's came only after all 6 of A's (the
+    same with 4 senders and 38-41 s). Once A's receiver answers, A's events are delivered too."""
+    hung, prompt = Receiver(), Receiver()
+    hung.holds["/a"] = threading.Event()
+    try:
+        for n in range(6):
+            emit(hooked.redis, Webhook(hung.url("/a"), DEFAULT_EVENTS, "tenant-a"), Event.COMPLETED,
+                 task_id=f"hang-{n}", request_id=f"hang-{n}", replica=None, result={})
+        emit(hooked.redis, Webhook(prompt.url("/b"), DEFAULT_EVENTS, "tenant-b"), Event.COMPLETED,
+             task_id="prompt-b", request_id="prompt-b", replica=None, result={})
+        [b] = posts_at(prompt, "/b")
+        assert len(hung.posts["/a"]) < 6, "B's event waited for every one of A's"
+        assert not hung.holds["/a"].is_set()
+        assert verify(tenant_secret(SECRET, "tenant-b"), b.headers["X-Replicadp-Signature"], b.body)
+        hung.holds["/a"].set()
+        for n in range(6):
+            wait_for(lambda: delivered(hooked.redis, f"hang-{n}.completed"), f"A's event {n} to be sent")
+        assert {p.payload["id"] for p in hung.posts["/a"]} == {f"hang-{n}.completed" for n in range(6)}
+    finally:
+        hung.stop()
+        prompt.stop()
+
+
+def test_a_failing_receiver_gets_five_attempts_at_the_documented_gaps(hooked, receiver):
+    """A receiver that answers 500 every time gets exactly ATTEMPTS (5) POSTs of the event, the gaps between
+    them at least 1, 2, 4 and 8 s (as docs/http.md says); then it is given up, once, and counted in
+    `replicadp metrics` as replicadp_webhook_give_ups_total."""
+    before = give_ups(hooked.redis)
+    receiver.statuses["/failing"] = [500] * (ATTEMPTS + 2)
+    emit(hooked.redis, Webhook(receiver.url("/failing"), DEFAULT_EVENTS), Event.COMPLETED, task_id="failing",
+         request_id="failing", replica=None, result={})
+    wait_for(lambda: give_ups(hooked.redis) == before + 1, "the event to be given up", timeout=120)
+    assert delivered(hooked.redis, "failing.completed")
+    posts = receiver.posts["/failing"]
+    assert len(posts) == ATTEMPTS == 5
+    gaps = [later.at - earlier.at for earlier, later in zip(posts, posts[1:])]
+    assert [backoff(n) for n in range(1, ATTEMPTS)] == [1, 2, 4, 8]
+    assert all(gap >= backoff(n) - 0.01 for n, gap in enumerate(gaps, 1)), gaps
+    assert scraped(hooked.redis, "replicadp_webhook_give_ups_total") == give_ups(hooked.redis)
+
+
+@pytest.mark.cluster
+def test_an_attempt_whose_outcome_redis_missed_is_not_made_again(receiver, tmp_path):
+    """A sender cannot tell Redis how the first attempt went (Redis pauses writes, `CLIENT PAUSE`, from before
+    its answer until past the sender's socket timeout): the event is taken again when its claim ends, 60 s later, and
+    the receiver, answering 500 every time, still gets exactly 5 POSTs. Had been: the attempt was counted only
+    once told, so that one was made again: 6 POSTs, and a 60 s gap (the 41-68 s and the 6 attempts seen)."""
+    server = EmbeddedServer(tmp_path / "redis")
+    url = server.start()
+    group = start_replicas(1, url, "webhooks-paused", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path / "out"),
+                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET)
+    admin = redis.Redis.from_url(url)
+    try:
+        receiver.statuses["/paused"] = [500] * (ATTEMPTS + 2)
+        receiver.holds["/paused"] = threading.Event()  # the first answer waits until Redis is paused
+        emit(admin, Webhook(receiver.url("/paused"), DEFAULT_EVENTS), Event.COMPLETED, task_id="paused",
+             request_id="paused", replica=None, result={})
+        posts_at(receiver, "/paused")
+        admin.execute_command("CLIENT", "PAUSE", 20000, "WRITE")  # past the sender's 2 s socket timeout
+        receiver.holds["/paused"].set()  # answered (500) within the sender's read timeout
+        wait_for(lambda: give_ups(admin) == 1, "the event to be given up", timeout=180)
+        assert delivered(admin, "paused.completed")
+    finally:
+        group.stop()
+        server.stop()
+    assert len(receiver.posts["/paused"]) == ATTEMPTS
+
+
+def test_progress_events_are_not_retried(hooked, receiver):
+    """A progress event that its receiver answers 500 is dropped after that one POST (a later one says more),
+    counted in replicadp_webhook_progress_dropped_total, not in give-ups; the request's completed event, to the
+    same receiver, is still retried and delivered."""
+    before, dropped = give_ups(hooked.redis), progress_dropped(hooked.redis)
+    receiver.statuses["/progress"] = [500, 500]
+    hook = Webhook(receiver.url("/progress"), frozenset(Event))
+    emit(hooked.redis, hook, Event.PROGRESS, task_id="progress", request_id="progress", replica=None, step=1,
+         total_steps=2)
+    wait_for(lambda: delivered(hooked.redis, "progress.progress.1"), "the progress event to leave the queue")
+    emit(hooked.redis, hook, Event.COMPLETED, task_id="progress", request_id="progress", replica=None, result={})
+    wait_for(lambda: delivered(hooked.redis, "progress.completed"), "the completed event to be delivered")
+    ids = [p.payload["id"] for p in receiver.posts["/progress"]]
+    assert ids == ["progress.progress.1", "progress.completed", "progress.completed"]
+    assert (give_ups(hooked.redis), progress_dropped(hooked.redis)) == (before, dropped + 1)
+    assert scraped(hooked.redis, "replicadp_webhook_progress_dropped_total") == dropped + 1
 
 
 def test_webhook_addresses_are_checked_at_the_request_and_at_the_send(hooked):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import sys
 from contextlib import asynccontextmanager
 
@@ -12,20 +13,30 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from uvicorn.main import STARTUP_FAILURE
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from replicadp_tasks.errors import StoreError
 from replicadp_tasks.settings import SETTINGS
 
-from .auth import ApiKeys
+from .auth import ApiKeys, KeyPolicy
 from .body import FORM_ALLOWANCE, BodyCheck
 from .errors import ErrorCode, error_response
 from .gateway import Gateway
+from .guard import LOOPBACK_HOSTS, Guard
 from .routes import router
 from .ui import router as ui_router
 
 # uvicorn's own graceful wait outlasts the gateway's grace by this much, so that a sync request handed over at the
 # end of the grace (a job record written, a 503 sent) is answered before uvicorn cancels what is left (a 500).
 HANDOVER_SLACK_S = 5.0
+# A connection that sends no complete request headers this long after it opened, or after its last answer, is
+# closed: uvicorn closes an idle keep-alive connection after an answer, but never one that sends nothing, or its
+# headers a byte at a time, which, a few hundred at once, spend the process's file descriptors (accept: EMFILE).
+HEADER_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 5  # uvicorn's own default: an idle keep-alive connection is closed after this long
+# Connections past which uvicorn answers 503 at once (/health too), by default the open-file limit less these
+# descriptors for everything else (the Redis pool, Celery's connections, threads, logs, video files being read).
+RESERVED_FDS = 128
 
 
 @asynccontextmanager
@@ -58,16 +69,24 @@ async def redis_down(_, exc: Exception):
     return error_response(503, f"cannot reach Redis: {exc}", ErrorCode.REDIS_UNAVAILABLE)
 
 
-def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0, api_keys: list[str] = ()) -> FastAPI:
+def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0, api_keys: list[KeyPolicy] = (),
+               allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, docs: bool = False) -> FastAPI:
     """The gateway's ASGI app. `max_queue`: requests waiting in the shared queue past which new ones get 429;
     `sync_timeout`: seconds a sync request waits for its video before a 504 (and the request is cancelled);
-    `api_keys`: the bearer tokens `/v1` wants (none: the API is open)."""
+    `api_keys`: the bearer tokens `/v1` wants, each with its policy (auth.read_keys; none: the API is open);
+    `allowed_hosts`: the Host names it answers (guard.allowed_hosts; None: any); `docs`: serve FastAPI's /docs
+    and /redoc pages (off: they load their scripts from a CDN, same-origin with /ui)."""
     api = FastAPI(title="replicadp HTTP gateway", version="1", lifespan=lifespan,
-                  description="vllm-omni's video API in front of replicadp's replicas; see docs/http.md.")
+                  description="vllm-omni's video API in front of replicadp's replicas; see docs/http.md.",
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
+    # No redirect built from the Host header (/ui/ -> http://<Host>/ui): a wrong path is a 404 instead.
+    api.router.redirect_slashes = False
     api.state.gateway = Gateway(max_queue, sync_timeout)
     api.add_middleware(BodyCheck, limit=SETTINGS.max_image_bytes + FORM_ALLOWANCE)
     if api_keys:  # added last, so outermost: a request without a key is refused before its body is read
         api.add_middleware(ApiKeys, keys=list(api_keys))
+    # Outermost of all: a request to a name not allowed is refused before anything else reads it.
+    api.add_middleware(Guard, hosts=allowed_hosts, keyless=not api_keys)
     api.add_exception_handler(HTTPException, http_error)
     api.add_exception_handler(RequestValidationError, form_error)
     api.add_exception_handler(StoreError, store_error)
@@ -92,11 +111,46 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(api: FastAPI, *, host: str, port: int, grace: float, log_config: dict) -> None:
+class Deadlined(H11Protocol):
+    """uvicorn's h11 protocol with a header-read deadline (`header_timeout`, a class attribute set by `serve`):
+    the connection is closed unless a request's headers have come `header_timeout` seconds after it opened or
+    after its last answer."""
+
+    header_timeout = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def _arm(self) -> None:
+        waited_for = self.cycle  # a new request's headers make a new cycle
+        self.loop.call_later(self.header_timeout, self._headers_late, waited_for)
+
+    def _headers_late(self, waited_for) -> None:
+        if self.cycle is waited_for and not self.transport.is_closing():
+            self.transport.close()
+
+
+def default_max_connections() -> int:
+    """The open-file limit (soft) less RESERVED_FDS, at least 1."""
+    return max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - RESERVED_FDS)
+
+
+def serve(api: FastAPI, *, host: str, port: int, grace: float, log_config: dict, max_connections: int | None = None,
+          header_timeout: float = HEADER_TIMEOUT_S, keep_alive: int = KEEP_ALIVE_S) -> None:
     """Serve `api` (create_app's) until SIGTERM or Ctrl-C; then wait up to `grace` seconds for the sync requests
-    in flight, and answer those still waiting 503 with their job id (Gateway.run_sync)."""
-    config = uvicorn.Config(api, host=host, port=port, log_config=log_config,
-                            timeout_graceful_shutdown=grace + HANDOVER_SLACK_S)
+    in flight, and answer those still waiting 503 with their job id (Gateway.run_sync). Past `max_connections`
+    open connections (default: default_max_connections()) a request gets uvicorn's 503 at once; a connection
+    closes `header_timeout` seconds after it opened or answered unless a request's headers came, and an idle
+    keep-alive one after `keep_alive` seconds."""
+    Deadlined.header_timeout = header_timeout
+    config = uvicorn.Config(api, host=host, port=port, log_config=log_config, http=Deadlined,
+                            limit_concurrency=max_connections or default_max_connections(),
+                            timeout_keep_alive=keep_alive, timeout_graceful_shutdown=grace + HANDOVER_SLACK_S)
     server = Server(config, grace)
     try:
         server.run()

@@ -1,13 +1,18 @@
 """API keys: with keys configured, every `/v1/` route wants `Authorization: Bearer <key>`, as `vllm serve
 --api-key` does; `/health`, the OpenAPI schema and the web page's files (`/ui`: it asks for the key and sends it
-to /v1) stay open. Each key owns the jobs made with it.
+to /v1) stay open. Each key belongs to a tenant (its `name`, or a tenant of its own), which owns the jobs made
+with it, its fairness lane and its webhook secret; a key may ask for priorities up to its `max_priority`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from replicadp_tasks.scheduling import Priority
 
 from .errors import ErrorCode, error_response
 
@@ -15,42 +20,88 @@ PROTECTED = "/v1"  # the API; /health (load balancers, compose healthchecks), /d
 
 
 class ApiKeyError(ValueError):
-    """Raised when a configured API key cannot be used: empty, or with whitespace (a bearer token has none)."""
+    """Raised when a configured API key cannot be used: empty, with a control character, or with an attribute
+    that is not `name=` or `max_priority=` (or a bad value for one)."""
 
 
-def read_keys(keys: tuple[str, ...], files: tuple[Path, ...]) -> list[str]:
-    """The keys given on the command line (or REPLICADP_API_KEYS) and in files: one key per line, blank lines and
-    `#` comments skipped. Raises ApiKeyError naming where a bad key came from (never the key)."""
-    found = [(key, f"--api-key #{i + 1}") for i, key in enumerate(keys)]
+# A tenant's name becomes a fairness lane, a webhook secret's input and a job list's key: the request_id alphabet.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """What one API key may do. `owner`: the tenant id its jobs, fairness lane and webhook secret are bound to
+    (its `name`, which several keys may share, as when a key is rotated; else a digest of the key); `max_priority`:
+    the highest priority its requests may ask for."""
+
+    key: str = field(repr=False)
+    owner: str
+    max_priority: Priority = Priority.NORMAL
+
+    def allows(self, priority: Priority) -> bool:
+        return list(Priority).index(priority) >= list(Priority).index(self.max_priority)
+
+
+def _policy(key: str, attributes: list[str], where: str) -> KeyPolicy:
+    if not key or any(not c.isprintable() for c in key):
+        raise ApiKeyError(f"{where}: an API key must be printable characters without spaces")
+    fields = {}
+    for attribute in attributes:
+        name, sep, value = attribute.partition("=")
+        if not sep or name not in ("name", "max_priority") or name in fields:
+            raise ApiKeyError(f"{where}: after the key come `name=TENANT` and `max_priority=PRIORITY`, each once "
+                              f"(found an attribute {name[:32]!r})")
+        fields[name] = value
+    owner = fields.get("name", owner_of(key))
+    if not NAME_RE.fullmatch(owner):
+        raise ApiKeyError(f"{where}: name={owner[:80]!r}: 1-64 letters, digits, '_', '.', '-', starting with a letter "
+                          "or digit")
+    try:
+        most = Priority(fields.get("max_priority", Priority.NORMAL))
+    except ValueError:
+        raise ApiKeyError(f"{where}: max_priority={fields['max_priority'][:32]!r}: one of "
+                          f"{', '.join(Priority)}") from None
+    return KeyPolicy(key, owner, most)
+
+
+def read_keys(keys: tuple[str, ...], files: tuple[Path, ...]) -> list[KeyPolicy]:
+    """The keys given on the command line (or REPLICADP_API_KEYS) and in files, each with its policy. A file has
+    one key per line, optionally followed by `name=TENANT` and `max_priority=PRIORITY` (blank lines and `#`
+    comments skipped); a key given on the command line has the defaults (its own tenant, `normal`). Raises
+    ApiKeyError naming where a bad key came from (never the key)."""
+    found = [_policy(key, [], f"--api-key #{i + 1}") for i, key in enumerate(keys)]
     for path in files:
         for n, line in enumerate(Path(path).read_text().splitlines(), 1):
             if line.strip() and not line.lstrip().startswith("#"):
-                found.append((line.strip(), f"{path}:{n}"))
-    for key, where in found:
-        if not key or any(c.isspace() or not c.isprintable() for c in key):
-            raise ApiKeyError(f"{where}: an API key must be printable characters without spaces")
-    return list(dict.fromkeys(key for key, _ in found))
+                key, *attributes = line.split()
+                found.append(_policy(key, attributes, f"{path}:{n}"))
+    policies = {}
+    for policy in found:
+        if policies.setdefault(policy.key, policy) != policy:
+            raise ApiKeyError(f"a key is given twice with different policies ({policies[policy.key].owner}, "
+                              f"{policy.owner})")
+    return list(policies.values())
 
 
 def owner_of(key: str) -> str:
-    """The id that job records keep for the key that made them: a digest, so that Redis never holds a key."""
+    """The tenant id of a key without a name: a digest, so that Redis never holds a key."""
     return hashlib.sha256(b"replicadp-api-key:" + key.encode()).hexdigest()[:24]
 
 
 class ApiKeys:
     """ASGI middleware: answer 401 (OpenAI's error object, `WWW-Authenticate: Bearer`) to a `/v1` request without
-    a configured key; let the others through with `request.state.owner` set to their key's owner id. Compared in
-    constant time: the presented token is hashed, and its digest compared with every key's."""
+    a configured key; let the others through with `request.state.policy` set to their key's KeyPolicy. Compared
+    in constant time: the presented token is hashed, and its digest compared with every key's."""
 
-    def __init__(self, app, keys: list[str]):
+    def __init__(self, app, keys: list[KeyPolicy]):
         self.app = app
-        self.keys = [(hashlib.sha256(key.encode()).digest(), owner_of(key)) for key in keys]
+        self.keys = [(hashlib.sha256(policy.key.encode()).digest(), policy) for policy in keys]
 
-    def owner(self, token: bytes) -> str | None:
+    def policy(self, token: bytes) -> KeyPolicy | None:
         digest, found = hashlib.sha256(token).digest(), None
-        for key_digest, owner in self.keys:  # no early exit: the time does not say which key matched
+        for key_digest, policy in self.keys:  # no early exit: the time does not say which key matched
             if hmac.compare_digest(digest, key_digest):
-                found = owner
+                found = policy
         return found
 
     async def __call__(self, scope, receive, send):
@@ -58,11 +109,11 @@ class ApiKeys:
         if scope["type"] != "http" or not (path == PROTECTED or path.startswith(PROTECTED + "/")):
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        owner = self.owner(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
-        if owner is None:
+        policy = self.policy(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        if policy is None:
             message = ("Authorization: invalid API key" if scheme else
                        "Authorization: missing; send the header `Authorization: Bearer <API key>`")
             return await error_response(401, message, ErrorCode.INVALID_API_KEY,
                                         headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-        scope.setdefault("state", {})["owner"] = owner
+        scope.setdefault("state", {})["policy"] = policy
         await self.app(scope, receive, send)

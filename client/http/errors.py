@@ -21,7 +21,10 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     TOO_LARGE = "too_large"
     NOT_FOUND = "not_found"
+    INVALID_HOST = "invalid_host"  # 400: a Host header not in the allow-list (a DNS-rebound name)
+    FOREIGN_ORIGIN = "foreign_origin"  # 403: a keyless gateway's POST or DELETE sent from another site
     INVALID_API_KEY = "invalid_api_key"  # 401: no key, or one that is not configured (OpenAI's code)
+    PRIORITY_NOT_ALLOWED = "priority_not_allowed"  # 403: a priority above the key's max_priority
     NOT_COMPLETED = "not_completed"
     QUEUE_FULL = "queue_full"
     TIMEOUT = "timeout"

@@ -15,19 +15,22 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from fastapi import Request
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from replicadp_tasks import app as celery_app
 from replicadp_tasks import generate
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, REPLICA_KEY
 from replicadp_tasks.records import READY
-from replicadp_tasks.scheduling import Priority, queue_lists
+from replicadp_tasks.scheduling import Priority, check_priority, queue_lists
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.validate import validate_request
 
 from ..api import cancel_request, live_replicas, redis_url
 from ..results import ResultWatch
 from .admission import Admission
+from .auth import KeyPolicy
 from .errors import ErrorCode, GatewayError, invalid
 from .form import VideoForm, generate_kwargs
 from .schema import JobOrder
@@ -36,6 +39,11 @@ from .schema import JobOrder
 # bounded pool that makes a request wait for a free connection: redis-py's default one fails past 100 in use.
 REDIS_CONNECTIONS = 32
 REDIS_WAIT_S = 20  # a request waits this long for one of them, then 503
+# A pooled connection that Redis closed (a restart) fails its next command: it is retried this many times, each on
+# a fresh connection (redis-py disconnects the failed one first), so a restart costs no request once Redis answers.
+REDIS_RETRIES = 1
+# And an idle connection is PINGed before use when it has been idle this long (s), which replaces a dead one first.
+REDIS_HEALTH_CHECK_S = 5
 CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
 LIVE_CACHE_S = 1.0  # every request asks for the live replicas (a Redis read): at most one read a second
 DISCONNECT_POLL_S = 1.0  # how often a sync request checks whether its client is still there (and the shutdown)
@@ -85,7 +93,8 @@ class Gateway:
     def __init__(self, max_queue: int, sync_timeout: float):
         self.sync_timeout = sync_timeout
         self.redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-            redis_url(), max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT_S))
+            redis_url(), max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT_S,
+            retry=Retry(NoBackoff(), REDIS_RETRIES), health_check_interval=REDIS_HEALTH_CHECK_S))
         self.admission = Admission(self.redis, max_queue)
         # Not daemon threads: a cancel asked for at shutdown (a sync request cut short) still runs.
         self.cancels = ThreadPoolExecutor(CANCEL_THREADS, thread_name_prefix="cancel")
@@ -138,8 +147,9 @@ class Gateway:
 
     # --- requests ------------------------------------------------------------------------------------------
 
-    async def admit(self, form: VideoForm) -> Admitted:
-        """Validate as the task will (400), check the model (400) and admit against the queue depth (429).
+    async def admit(self, form: VideoForm, key: KeyPolicy | None = None) -> Admitted:
+        """Validate as the task will (400), check the key's priority (403) and the model (400), and admit against
+        the queue depth (429). The request goes as the key's tenant (its fairness lane, its webhook secret).
         Send what it admitted with `send` or `run_sync`."""
         live = await self.replicas()
         # 16 (Wan's smallest) unless the replicas publish their model's multiple; the task checks again anyway.
@@ -149,6 +159,8 @@ class Gateway:
         qualities = sorted(set.intersection(*served_by_all), reverse=True) if served_by_all else None
         try:
             kwargs = generate_kwargs(form)
+            if key is not None:
+                kwargs["tenant"] = key.owner
             # In a thread: a webhook's host is resolved to check its addresses (fetch.target), which may take
             # as long as the resolver does.
             req = await asyncio.to_thread(validate_request, kwargs, size_multiple=multiple,
@@ -156,6 +168,11 @@ class Gateway:
                                           qualities=qualities)
         except InvalidRequest as exc:
             raise invalid(exc) from None
+        asked = check_priority(kwargs.get("priority"))
+        if key is not None and not key.allows(asked):
+            raise GatewayError(403, f"priority={asked.value!r}: this API key may ask for {key.max_priority.value} at "
+                                    f"most ({', '.join(p.value for p in Priority if key.allows(p))})",
+                               code=ErrorCode.PRIORITY_NOT_ALLOWED, param="priority")
         served = await self.served_models()
         if form.model is not None and form.model not in served:
             raise GatewayError(400, f"model={form.model!r}: this gateway serves {', '.join(served)}",
@@ -252,7 +269,7 @@ class Gateway:
             await pipe.execute()
 
     async def job_ids(self, limit: int, after: str | None, order: JobOrder, owner: str | None) -> list[str]:
-        """Up to `limit` + 1 ids of `owner`'s jobs (every job without API keys) in creation order (`desc`: newest
+        """Up to `limit` + 1 ids of `owner`'s jobs (None: the keyless ones) in creation order (`desc`: newest
         first), from the one after `after`: the one past the page says whether there is more."""
         jobs, start = jobs_of(owner), 0
         if after is not None:
@@ -275,10 +292,11 @@ class Gateway:
                 for rec, meta in zip(records, metas) if rec]
 
     async def job(self, video_id: str, owner: str | None) -> tuple[dict, dict | None]:
-        """(record, result meta) of one job; 404 without a record, or when another API key made it (as if it did
-        not exist: a key learns nothing of the others' jobs)."""
+        """(record, result meta) of one job; 404 without a record, or when another owner made it (another API
+        key's, or a keyed job asked for without a key, or the other way round), as if it did not exist: a key
+        learns nothing of the others' jobs, nor a keyless gateway on the same Redis of the keyed ones."""
         found = await self.job_records([video_id])
-        if not found or (owner is not None and found[0][0].get("owner") != owner):
+        if not found or found[0][0].get("owner") != owner:
             raise GatewayError(404, f"video_id={video_id!r}: no such video job (unknown, deleted, or older than "
                                     f"REPLICADP_RESULT_TTL={SETTINGS.result_ttl_s} s)", code=ErrorCode.NOT_FOUND,
                                param="video_id")
@@ -286,5 +304,6 @@ class Gateway:
 
 
 def jobs_of(owner: str | None) -> str:
-    """The sorted set of `owner`'s jobs; every job's without API keys."""
-    return JOBS_KEY if owner is None else f"{JOBS_KEY}:{owner}"
+    """The sorted set of `owner`'s jobs; None: those made without an API key (a set of their own, not JOBS_KEY,
+    every job's, and no name an owner's set can have)."""
+    return f"{JOBS_KEY}-keyless" if owner is None else f"{JOBS_KEY}:{owner}"

@@ -10,13 +10,17 @@ from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 
 from replicadp_tasks.records import RequestState
+from replicadp_tasks.step_cache import Quality
 
 from ..api import cancel_request, fetch_video, remove_video
+from ..ops.status import fast_path
+from .auth import KeyPolicy
 from .errors import ErrorCode, GatewayError, failure
 from .form import VideoForm, video_form
 from .gateway import Gateway
 from .jobs import job_view, video_response
-from .schema import ERRORS, Health, JobOrder, ModelCard, ModelList, VideoDeleted, VideoJob, VideoList
+from .schema import (ERRORS, Health, JobOrder, ModelCard, ModelList, ModelReplica, VideoDeleted, VideoJob,
+                     VideoList)
 
 router = APIRouter()
 
@@ -25,32 +29,39 @@ def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+def policy(request: Request) -> KeyPolicy | None:
+    """The policy of the API key the request came with (auth.ApiKeys); None when the gateway has no keys."""
+    return getattr(request.state, "policy", None)
+
+
 def owner(request: Request) -> str | None:
-    """The id of the API key the request came with (auth.ApiKeys); None when the gateway has no keys."""
-    return getattr(request.state, "owner", None)
+    """The tenant of the API key the request came with; None when the gateway has no keys."""
+    found = policy(request)
+    return found.owner if found else None
 
 
 GatewayDep = Annotated[Gateway, Depends(gateway)]
 OwnerDep = Annotated[str | None, Depends(owner)]
+PolicyDep = Annotated[KeyPolicy | None, Depends(policy)]
 VideoFormDep = Annotated[VideoForm, Depends(video_form)]
 
 
 @router.post("/v1/videos/sync", response_class=Response, responses={
     200: {"content": {"video/mp4": {}}, "description": "The MP4, with X-Request-Id, X-Model, X-Replica and "
                                                       "X-Inference-Time-S headers."}, **ERRORS})
-async def create_video_sync(request: Request, form: VideoFormDep, gw: GatewayDep, who: OwnerDep):
+async def create_video_sync(request: Request, form: VideoFormDep, gw: GatewayDep, key: PolicyDep):
     """Generate one video and answer with its MP4 bytes (503 with its job id if the gateway stops first)."""
-    meta = await gw.run_sync(await gw.admit(form), request, who)
+    meta = await gw.run_sync(await gw.admit(form, key), request, key and key.owner)
     if meta["status"] != RequestState.SUCCESS:
         raise failure(meta)
     return video_response(meta["result"], await asyncio.to_thread(fetch_video, meta["result"]))
 
 
 @router.post("/v1/videos", response_model=VideoJob, responses=ERRORS)
-async def create_video(form: VideoFormDep, gw: GatewayDep, who: OwnerDep):
+async def create_video(form: VideoFormDep, gw: GatewayDep, key: PolicyDep):
     """Queue one video; answers at once with the job (poll GET /v1/videos/{id})."""
-    admitted = await gw.admit(form)
-    record = await gw.add_job(admitted, who)
+    admitted = await gw.admit(form, key)
+    record = await gw.add_job(admitted, key and key.owner)
     try:
         await gw.send(admitted)
     except OperationalError:  # the broker is down: no job was made (503), so none must be listed
@@ -109,9 +120,13 @@ async def delete_video(video_id: str, gw: GatewayDep, who: OwnerDep):
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(gw: GatewayDep):
-    """The served model (what the live replicas load; REPLICADP_MODEL while none is live)."""
-    loaded = {r.get("model"): int(r.get("loaded_at", 0)) for r in await gw.replicas()}
-    return ModelList(data=[ModelCard(id=m, created=loaded.get(m, 0)) for m in await gw.served_models()])
+    """The served model (what the live replicas load; REPLICADP_MODEL while none is live), with the live replicas
+    that serve it and each one's fast path (quality=fast: its step cache)."""
+    live = await gw.replicas()
+    loaded = {r.get("model"): int(r.get("loaded_at", 0)) for r in live}
+    return ModelList(data=[ModelCard(id=m, created=loaded.get(m, 0), replicas=[
+        ModelReplica(name=r["name"], qualities=r.get("qualities") or [Quality.STANDARD], fast_path=fast_path(r))
+        for r in live if r.get("model") == m]) for m in await gw.served_models()])
 
 
 @router.get("/health", response_model=Health, responses={503: {"model": Health}})

@@ -62,11 +62,18 @@ class VideoDeleted(BaseModel):
     deleted: bool
 
 
+class ModelReplica(BaseModel):
+    name: str
+    qualities: list[str]  # what a request's `quality` may be on it
+    fast_path: str | None  # the step cache quality=fast runs with ("mag threshold=0.06"); None: it serves no fast path
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "replicadp"
+    replicas: list[ModelReplica] = []  # the live replicas serving it
 
 
 class ModelList(BaseModel):
@@ -81,7 +88,7 @@ class Health(BaseModel):
 
 
 class RunningRequest(BaseModel):
-    id: str  # the job id (a gateway job's request_id is its id)
+    id: str | None  # the job id (a gateway job's request_id is its id); None: not the caller's (only busy)
     step: int | None  # None until its first denoising step
     total_steps: int | None
 

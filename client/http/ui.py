@@ -11,14 +11,14 @@ from importlib.resources import files
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, RedirectResponse
 
-from replicadp_tasks.keys import JOBS_KEY, REPLICA_KEY
+from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, REPLICA_KEY
 from replicadp_tasks.records import RequestState
 from replicadp_tasks.scheduling import Priority
 
 from ..ops.status import snapshot
 from .errors import ErrorCode, GatewayError
 from .gateway import Refreshed
-from .routes import GatewayDep
+from .routes import GatewayDep, OwnerDep
 from .schema import ERRORS, ClusterStatus, ReplicaStatus, RunningRequest
 
 router = APIRouter()
@@ -36,6 +36,11 @@ MEAN_OVER_JOBS = 20  # the expected wait's mean request time: over this many of 
 @router.get("/", include_in_schema=False)
 async def root():
     return RedirectResponse("/ui")
+
+
+@router.get("/ui/", include_in_schema=False)
+async def slash():
+    return RedirectResponse("/ui")  # a path, not a URL: nothing taken from the Host header
 
 
 @router.get("/ui", include_in_schema=False)
@@ -91,17 +96,24 @@ def expected_wait_s(replicas: list[ReplicaStatus], queued: dict[Priority, int], 
 
 
 @router.get("/v1/status", response_model=ClusterStatus, responses=ERRORS)
-async def status(request: Request, gw: GatewayDep):
+async def status(request: Request, gw: GatewayDep, owner: OwnerDep):
     """The live replicas (what each serves, and runs at which step), the queue per priority and the expected wait
-    of a request queued now; what the web page polls (docs/ui.md)."""
+    of a request queued now; what the web page polls (docs/ui.md). A running request is named, with its step,
+    only to its own owner (the caller's API key; without one, keyless jobs): anyone else sees the replica busy."""
     snap = await snapshots(request).get()
     names = [r["name"] for r in snap["replicas"]]
     raws = await gw.redis.mget([REPLICA_KEY + n for n in names]) if names else []
+    ids = [r["request_id"] for r in snap["replicas"] if r["request_id"]]
+    jobs = dict(zip(ids, await gw.redis.mget([JOB_KEY + i for i in ids]))) if ids else {}
+    mine = {i for i, job in jobs.items() if job and json.loads(job).get("owner") == owner}
     replicas = []
     for seen, raw in zip(snap["replicas"], raws):
         info = json.loads(raw) if raw else {}
-        running = (RunningRequest(id=seen["request_id"], step=seen["step"], total_steps=seen["total_steps"])
-                   if seen["request_id"] else None)
+        running = None
+        if seen["request_id"] in mine:
+            running = RunningRequest(id=seen["request_id"], step=seen["step"], total_steps=seen["total_steps"])
+        elif seen["request_id"]:
+            running = RunningRequest(id=None, step=None, total_steps=None)
         qualities = info.get("qualities")
         replicas.append(ReplicaStatus(
             name=seen["name"], device=info.get("device"), model=info.get("model"),

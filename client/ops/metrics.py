@@ -101,6 +101,12 @@ class Exporter:
                                       value=int(stats.get(b"refused_messages", 0)))
             yield CounterMetricFamily("replicadp_duplicate_executions", "Requests computed to the end a second "
                                       "time (0 unless fencing failed)", value=int(stats.get(b"duplicate_executions", 0)))
+            yield CounterMetricFamily("replicadp_webhook_give_ups", "Webhook events given up: every attempt "
+                                      "failed, or a final answer (4xx, 3xx, an address not allowed)",
+                                      value=int(stats.get(b"webhook_give_ups", 0)))
+            yield CounterMetricFamily("replicadp_webhook_progress_dropped", "Webhook progress events dropped: "
+                                      "their one attempt failed, or past a request's cap on queued events",
+                                      value=int(stats.get(b"webhook_progress_dropped", 0)))
             yield GaugeMetricFamily("replicadp_dead_letters", "Records in replicadp:dead: requests failed as poison "
                                     "and refused messages, the most recent 1000", value=dead)
         busy = GaugeMetricFamily("replicadp_replica_busy", "1 while the replica runs a request, 0 idle",

@@ -1,10 +1,12 @@
 """`replicadp status`: live replicas, what each is running and at which step, queue depth, throughput.
-Also the read side that `metrics` and `health` share: the shared queue's depth and its next request."""
+Also the read side that `metrics` and `health` share: the shared queue's depth and its next request; and what the
+live replicas accept, which `generate` and `submit` check a request against before sending it."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import redis
 from celery.result import AsyncResult
@@ -16,8 +18,9 @@ from replicadp_tasks.heartbeat import read
 from replicadp_tasks.keys import COMPLETED_KEY, REPLICA_KEY
 from replicadp_tasks.scheduling import Priority, next_request
 from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.step_cache import Quality
 
-from ..api import redis_url
+from ..api import live_replicas, redis_client, redis_url
 
 THROUGHPUT_WINDOWS_MIN = (1, 5, 15)  # videos/min over these recent windows (completions are kept an hour)
 
@@ -26,6 +29,38 @@ def replica_info(client, names) -> dict:
     """What each replica published when it loaded its model (model, device, pid)."""
     raws = client.mget([REPLICA_KEY + n for n in names]) if names else []
     return {n: json.loads(r) if r else {} for n, r in zip(names, raws)}
+
+
+def fast_path(info: dict) -> str | None:
+    """The step cache a replica runs `quality=fast` requests with (its ReplicaInfo's `cache`, e.g. `mag
+    threshold=0.06`); None when it serves no fast path."""
+    return info.get("cache") if Quality.FAST in (info.get("qualities") or []) else None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What every live replica accepts, as the gateway checks it (gateway.Gateway.admit): the size multiple of
+    their model, and the qualities all of them serve (None: unknown, no replica is live; the task checks)."""
+
+    size_multiple: int = 16  # Wan's smallest, while no replica says what its model needs
+    qualities: list[str] | None = None
+
+
+def accepted_by(infos: list[dict]) -> Accepted:
+    """What the replicas of these ReplicaInfos all accept: any of them may take a request."""
+    if not infos:
+        return Accepted()
+    served = set.intersection(*(set(i.get("qualities") or [Quality.STANDARD]) for i in infos))
+    return Accepted(max(int(i.get("size_multiple") or 16) for i in infos), sorted(served, reverse=True))
+
+
+def live_accepted(timeout: float = 1.0) -> Accepted:
+    """What the live replicas accept, read once from Redis; Accepted() while none is live or Redis is unreachable
+    (the send that follows says which)."""
+    try:
+        return accepted_by(list(replica_info(redis_client(redis_url(), timeout), live_replicas(timeout)).values()))
+    except redis.RedisError:
+        return Accepted()
 
 
 def queue_head(client, queue: str = SETTINGS.queue) -> tuple[dict[Priority, int], dict | None]:
@@ -65,7 +100,8 @@ def snapshot() -> dict:
         progress = progress if isinstance(progress, dict) else {}
         replicas.append({
             "name": name, "model": info[name].get("model"), "device": info[name].get("device"),
-            "serving": name in beats.serving,
+            "serving": name in beats.serving, "qualities": info[name].get("qualities"),
+            "fast_path": fast_path(info[name]),
             "request_id": progress.get("request_id") or (running or {}).get("task_id"),
             "step": progress.get("step"), "total_steps": progress.get("total_steps"),
             "running_s": time.time() - running["started_at"] if running else None,
@@ -89,14 +125,14 @@ def table(snap: dict) -> Table:
     split = ", ".join(f"{p} {n}" for p, n in snap["queue_by_priority"].items() if n)
     split = f" ({split})" if snap["queue_depth"] else ""
     t = Table(title=f"queue {snap['queue']!r}: {snap['queue_depth']} waiting{split}{waited}; videos/min {rates}")
-    for col in ("replica", "device", "model", "serving", "request", "denoising", "step", "running"):
+    for col in ("replica", "device", "model", "fast path", "serving", "request", "denoising", "step", "running"):
         t.add_column(col)
     for r in snap["replicas"]:
         total = r["total_steps"]
         step = f"{r['step']}/{total}" if total else ("starting" if r["request_id"] else "idle")
         bar = ProgressBar(total=total, completed=r["step"] or 0, width=24) if total else ""
         running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
-        t.add_row(r["name"], str(r["device"]), str(r["model"]), "yes" if r["serving"] else "no",
+        t.add_row(r["name"], str(r["device"]), str(r["model"]), r["fast_path"] or "-", "yes" if r["serving"] else "no",
                   str(r["request_id"] or "-"), bar, step, running)
     if not snap["replicas"]:
         t.caption = "no live replica"

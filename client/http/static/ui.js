@@ -294,6 +294,7 @@ function renderStatus() {
     td.dataset.label = "State";
     if (!r.serving) td.textContent = "loading its model";
     else if (!r.running) td.textContent = "idle";
+    else if (r.running.id == null) td.textContent = "busy";  // another tenant's request: not named
     else {
       const step = r.running.step != null ? `step ${r.running.step} of ${r.running.total_steps}` : "starting";
       td.textContent = `running ${r.running.id.slice(0, 8)}, ${step}`;
