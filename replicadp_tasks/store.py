@@ -45,6 +45,11 @@ _VIDEO_NAME = re.compile(rf"(?P<rid>{REQUEST_ID_RE.pattern})\.[0-9a-f]{{32}}\.mp
 _TEMP_NAME = re.compile(r"\.replicadp-(?:write|swept)-[A-Za-z0-9_]+\.(?:json|mp4)")
 
 
+def _file_path(video_uri: str) -> Path:
+    """The file a folder store's `file://` video_uri names."""
+    return Path(unquote(urlparse(video_uri).path))
+
+
 class DirStore:
     """A folder (shared with the clients): `<request_id>.json` (the Result) marks the pair complete and names its
     MP4, `<request_id>.<write id>.mp4`, a name of each write's own (as S3Store's keys), so that a write that loses
@@ -113,7 +118,7 @@ class DirStore:
             return
         try:
             (self.root / f"{request_id}.json").unlink(missing_ok=True)
-            (self.root / Path(unquote(urlparse(meta["video_uri"]).path)).name).unlink(missing_ok=True)
+            (self.root / _file_path(meta["video_uri"]).name).unlink(missing_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot delete {request_id} from {self.root}: {exc}") from exc
 
@@ -124,13 +129,13 @@ class DirStore:
             uri = json.loads(meta_path.read_bytes()).get("video_uri", "")
         except (ValueError, AttributeError):
             return None
-        video = Path(unquote(urlparse(uri).path)) if isinstance(uri, str) and uri.startswith("file://") else None
+        video = _file_path(uri) if isinstance(uri, str) and uri.startswith("file://") else None
         rid = meta_path.name[:-len(".json")]
         if video is None or video.parent != self.root.absolute():
             return None
+        written = _VIDEO_NAME.fullmatch(video.name)
         # `<request_id>.mp4`: what a version without write ids wrote.
-        return video if video.name == f"{rid}.mp4" or _VIDEO_NAME.fullmatch(video.name) and \
-            video.name.startswith(rid + ".") else None
+        return video if video.name == f"{rid}.mp4" or written and written["rid"] == rid else None
 
     def sweep(self, cutoff: float) -> int:
         """Remove what this store wrote before `cutoff` (unix seconds): pairs (a file's mtime is when its put wrote
@@ -433,7 +438,7 @@ def delete_stored(result: dict, redis_url: str, s3_endpoint_url: str | None = No
         S3Store(_reader_s3(s3_endpoint_url), bucket, stem[:len(stem) - len(request_id)],
                 S3_MAX_URL_TTL_S).delete(request_id)  # (it makes no URL)
     else:
-        DirStore(Path(unquote(urlparse(uri).path)).parent).delete(request_id)
+        DirStore(_file_path(uri).parent).delete(request_id)
 
 
 def fetch_video(video_uri: str, redis_url: str, sha256: str | None = None, s3_endpoint_url: str | None = None) -> bytes:

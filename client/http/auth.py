@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replicadp_tasks.scheduling import Priority
+from replicadp_tasks.scheduling import TENANT_RE, Priority
 
 from .errors import ErrorCode, error_response
 
@@ -22,10 +21,6 @@ PROTECTED = "/v1"  # the API; /health (load balancers, compose healthchecks), /d
 class ApiKeyError(ValueError):
     """Raised when a configured API key cannot be used: empty, with a control character, or with an attribute
     that is not `name=` or `max_priority=` (or a bad value for one)."""
-
-
-# A tenant's name becomes a fairness lane, a webhook secret's input and a job list's key: the request_id alphabet.
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -53,7 +48,7 @@ def _policy(key: str, attributes: list[str], where: str) -> KeyPolicy:
                               f"(found an attribute {name[:32]!r})")
         fields[name] = value
     owner = fields.get("name", owner_of(key))
-    if not NAME_RE.fullmatch(owner):
+    if not TENANT_RE.fullmatch(owner):  # a fairness lane, a webhook secret's input, a job list's key
         raise ApiKeyError(f"{where}: name={owner[:80]!r}: 1-64 letters, digits, '_', '.', '-', starting with a letter "
                           "or digit")
     try:

@@ -28,6 +28,7 @@ from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.validate import validate_request
 
 from ..api import cancel_request, live_replicas, redis_url
+from ..ops.status import accepted_by
 from ..results import ResultWatch
 from .admission import Admission
 from .auth import KeyPolicy
@@ -151,21 +152,17 @@ class Gateway:
         """Validate as the task will (400), check the key's priority (403) and the model (400), and admit against
         the queue depth (429). The request goes as the key's tenant (its fairness lane, its webhook secret).
         Send what it admitted with `send` or `run_sync`."""
-        live = await self.replicas()
-        # 16 (Wan's smallest) unless the replicas publish their model's multiple; the task checks again anyway.
-        multiple = max((int(r.get("size_multiple") or 16) for r in live), default=16)
-        # The qualities every live replica serves (any replica may take the request); unknown while none is live.
-        served_by_all = [set(r.get("qualities") or ["standard"]) for r in live]
-        qualities = sorted(set.intersection(*served_by_all), reverse=True) if served_by_all else None
+        # The size multiple and qualities every live replica accepts (any may take it); the task checks again.
+        accepted = accepted_by(await self.replicas())
         try:
             kwargs = generate_kwargs(form)
             if key is not None:
                 kwargs["tenant"] = key.owner
             # In a thread: a webhook's host is resolved to check its addresses (fetch.target), which may take
             # as long as the resolver does.
-            req = await asyncio.to_thread(validate_request, kwargs, size_multiple=multiple,
+            req = await asyncio.to_thread(validate_request, kwargs, size_multiple=accepted.size_multiple,
                                           max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
-                                          qualities=qualities)
+                                          qualities=accepted.qualities)
         except InvalidRequest as exc:
             raise invalid(exc) from None
         asked = check_priority(kwargs.get("priority"))

@@ -39,7 +39,7 @@ def fast_path(info: dict) -> str | None:
 
 @dataclass(frozen=True)
 class Accepted:
-    """What every live replica accepts, as the gateway checks it (gateway.Gateway.admit): the size multiple of
+    """What every live replica accepts, as the gateway and the CLI check it before sending: the size multiple of
     their model, and the qualities all of them serve (None: unknown, no replica is live; the task checks)."""
 
     size_multiple: int = 16  # Wan's smallest, while no replica says what its model needs
