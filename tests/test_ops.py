@@ -137,8 +137,9 @@ def compose_config(project: Path) -> subprocess.CompletedProcess:
 
 def test_compose_config_validates_and_keeps_redis_on_loopback(compose_dir):
     """`docker-compose config` (no Docker engine needed) accepts the file with .env.example; in the resolved
-    config each worker has its own GPU, Redis runs append-only with a password, and nothing is published
-    beyond 127.0.0.1. Without .env it refuses, naming REDIS_PASSWORD."""
+    config each worker has its own GPU, Redis runs append-only with a password, the gateway reads its keys from
+    ./api-keys as a secret and answers only loopback names, and nothing is published beyond 127.0.0.1. Without
+    .env it refuses, naming REDIS_PASSWORD."""
     run = compose_config(compose_dir)
     assert run.returncode == 0, run.stderr
     services = yaml.safe_load(run.stdout)["services"]
@@ -149,6 +150,12 @@ def test_compose_config_validates_and_keeps_redis_on_loopback(compose_dir):
     command = command if isinstance(command, str) else " ".join(command)
     assert "--appendonly yes" in command and "--requirepass change-me" in command
     assert services["worker-gpu0"]["environment"]["REDIS_URL"].startswith("redis://:change-me")
+    # The gateway: its keys file as a secret (./api-keys by default), answering only the names it is reached by.
+    gateway = services["gateway"]
+    keys_at = gateway["command"][gateway["command"].index("--api-keys-file") + 1]
+    assert keys_at == "/run/secrets/api-keys" and gateway["secrets"] == [{"source": "api-keys"}]
+    assert run.stdout.count(str(compose_dir / "api-keys")) == 1
+    assert gateway["environment"]["REPLICADP_ALLOWED_HOSTS"] == "localhost 127.0.0.1"
     (compose_dir / ".env").unlink()
     run = compose_config(compose_dir)
     assert run.returncode != 0 and "REDIS_PASSWORD" in run.stderr

@@ -6,6 +6,7 @@ import base64
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -101,6 +102,16 @@ def test_a_bad_keys_file_stops_the_gateway_from_starting(redis_db, tmp_path, lin
     message = " ".join(run.stderr.split())  # click wraps long lines
     assert run.returncode == 2 and f"{keys_file}:2" in message and says in message, run.stderr
     assert "key-0123456789" not in run.stderr.replace("good-key-0123456789", "")
+
+
+def test_a_keys_file_without_a_key_stops_the_gateway(redis_db):
+    """The shipped api-keys.example, copied as it is (comments only), stops the gateway at start (exit 2) naming
+    the file: a keys file is named to require keys, and one with none would leave the API open."""
+    example = Path(__file__).resolve().parent.parent / "api-keys.example"
+    run = subprocess.run([REPLICADP, "serve-http", "--api-keys-file", str(example)], capture_output=True,
+                         text=True, env={**os.environ, "REDIS_URL": redis_db()}, timeout=60)
+    message = " ".join(run.stderr.split())
+    assert run.returncode == 2 and f"{example} holds no key" in message, run.stderr
 
 
 def test_read_keys_gives_each_key_its_policy(tmp_path):

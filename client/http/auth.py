@@ -63,13 +63,16 @@ def read_keys(keys: tuple[str, ...], files: tuple[Path, ...]) -> list[KeyPolicy]
     """The keys given on the command line (or REPLICADP_API_KEYS) and in files, each with its policy. A file has
     one key per line, optionally followed by `name=TENANT` and `max_priority=PRIORITY` (blank lines and `#`
     comments skipped); a key given on the command line has the defaults (its own tenant, `normal`). Raises
-    ApiKeyError naming where a bad key came from (never the key)."""
+    ApiKeyError naming where a bad key came from (never the key), or a file that holds no key."""
     found = [_policy(key, [], f"--api-key #{i + 1}") for i, key in enumerate(keys)]
     for path in files:
+        before = len(found)
         for n, line in enumerate(Path(path).read_text().splitlines(), 1):
             if line.strip() and not line.lstrip().startswith("#"):
                 key, *attributes = line.split()
                 found.append(_policy(key, attributes, f"{path}:{n}"))
+        if len(found) == before:  # a file named to set keys: left empty (a copied example), the API would be open
+            raise ApiKeyError(f"{path} holds no key (one per line; without any key the API would be open)")
     policies = {}
     for policy in found:
         if policies.setdefault(policy.key, policy) != policy:
