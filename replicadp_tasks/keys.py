@@ -39,7 +39,7 @@ STATS_KEY = "replicadp:stats"  # hash of counters: refused_messages, duplicate_e
 # processes' senders:
 WEBHOOK_SENT_KEY = "replicadp:webhook:sent:"  # + task id: hash of the ids of the events queued for it, once each
 WEBHOOK_DUE_KEY = "replicadp:webhook:due"  # sorted set, event id -> when it is due (Redis's clock); a sender that
-# takes one makes it due again webhooks.CLAIM_S later, so that another takes it if this one dies sending
+# takes one makes it due again REPLICADP_WEBHOOK_CLAIM later, so that another takes it if this one dies sending
 WEBHOOK_EVENTS_KEY = "replicadp:webhook:events"  # hash, event id -> JSON webhooks.Queued (URL, payload, tenant)
 WEBHOOK_ATTEMPTS_KEY = "replicadp:webhook:attempts"  # hash, event id -> attempts taken so far (counted when taken)
 WEBHOOK_SENDING_KEY = "replicadp:webhook:sending:"  # + destination host:port: sorted set, event id -> claim end

@@ -32,6 +32,18 @@ def _int(name: str, default: int) -> int:
         raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not an integer") from None
 
 
+# One webhook attempt takes at most webhooks.CONNECT_TIMEOUT_S per address and SEND_TIMEOUT_S (8 s for one
+# address): a claim shorter than this would let a second sender take an event while the first still sends it.
+MIN_WEBHOOK_CLAIM_S = 10
+
+
+def _at_least(name: str, default: int, low: int) -> int:
+    value = _int(name, default)
+    if value < low:
+        raise SystemExit(f"replicadp: environment variable {name}={value} is below {low}")
+    return value
+
+
 def _optional(name: str, kind: type[int] | type[float]) -> int | float | None:
     """A number, or None when unset or empty (the default then depends on another setting)."""
     raw = os.environ.get(name, "").strip()
@@ -136,6 +148,7 @@ class Settings:
     s3_url_ttl_s: int
     log_format: LogFormat
     webhooks: bool
+    webhook_claim_s: int
     webhook_secret: str = field(repr=False)  # signs every webhook POST; never printed
 
     @classmethod
@@ -237,6 +250,9 @@ class Settings:
             # No default: an unsigned webhook could be forged by anyone who learns its URL, so without a secret
             # a request naming a webhook is refused (set the same one on the gateways and the replicas).
             webhook_secret=os.environ.get("REPLICADP_WEBHOOK_SECRET", ""),
+            # A webhook event a sender took is due again this long after (webhooks.py): well past one attempt, and
+            # soon enough after a sender's death or a Redis reply lost after the attempt.
+            webhook_claim_s=_at_least("REPLICADP_WEBHOOK_CLAIM", 60, MIN_WEBHOOK_CLAIM_S),
         )
 
 

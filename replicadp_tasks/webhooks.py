@@ -3,7 +3,8 @@ progress, completed, failed; by default completed and failed), each a signed JSO
 
 The replica never waits on a receiver: the pool child only queues an event in Redis (durable across its own
 death), and the senders, threads of every replica's main process, take the events that are due and POST them.
-An event is delivered at least once: a sender that takes one makes it due again CLAIM_S later, so that if it dies
+An event is delivered at least once: a sender that takes one makes it due again `claim_s` later
+(REPLICADP_WEBHOOK_CLAIM, 60 s; its destination's send slot is held as long), so that if it dies
 sending, another sender takes it; under normal operation an event is sent by one sender only, and each event id
 is queued once (a redelivered request does not queue its events again). A receiver that answers 429 or 5xx, or
 none at all, is tried again with exponential backoff, ATTEMPTS times in all (counted when taken, so neither a
@@ -76,10 +77,6 @@ MAX_HOST_DELAY_S = 8.0
 # started, completed and failed always have room.
 MAX_EVENTS_PER_REQUEST = 64
 SCAN = 100  # due events a claim looks through for one whose host is free: the others wait POLL_S
-# A taken event is due again this much later (its destination's send slot is held as long): well past an attempt
-# (CONNECT_TIMEOUT_S per address, SEND_TIMEOUT_S, a DNS lookup), so that no two senders send it, and soon enough
-# after a sender's death, or a reply from Redis lost after the attempt.
-CLAIM_S = 60.0
 SENDERS = 2  # threads per replica: one receiver that times out does not hold back the events of the others
 POLL_S = 0.5  # how often an idle sender looks for due events (a Redis script each time); a busy host's wait
 TENANT_SECRET_CONTEXT = "replicadp-webhook-tenant:"  # keys tenant_secret's HMAC to this one use of the secret
@@ -362,9 +359,9 @@ def backoff(attempts: int) -> float:
 class Sender:
     """In a replica's main process: SENDERS threads that take due events and send them."""
 
-    def __init__(self, url: str, secret: str, allow_nets: tuple):
+    def __init__(self, url: str, secret: str, allow_nets: tuple, claim_s: int):
         self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-        self.secret, self.allow_nets = secret, allow_nets
+        self.secret, self.allow_nets, self.claim_s = secret, allow_nets, claim_s
 
     def start(self) -> None:
         for n in range(SENDERS):
@@ -375,7 +372,7 @@ class Sender:
         while True:
             try:
                 claimed = self.redis.eval(_CLAIM, 5, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_ATTEMPTS_KEY,
-                                          WEBHOOK_BACKOFF_KEY, STATS_KEY, CLAIM_S, PER_HOST_SENDS, SCAN,
+                                          WEBHOOK_BACKOFF_KEY, STATS_KEY, self.claim_s, PER_HOST_SENDS, SCAN,
                                           WEBHOOK_SENDING_KEY, POLL_S, ATTEMPTS)
                 failing = False
             except redis.RedisError as exc:
@@ -388,7 +385,7 @@ class Sender:
                 continue
             try:
                 self.send(claimed[0].decode(), json.loads(claimed[1]), int(claimed[2]))
-            except Exception:  # never let a sender die with a bug in one event; it is due again after CLAIM_S
+            except Exception:  # never let a sender die with a bug in one event; it is due again after claim_s
                 log.exception("webhook: sending failed")
 
     def send(self, eid: str, queued: Queued, attempt: int) -> None:

@@ -175,7 +175,8 @@ def _send_webhooks(**_):
     """In the main process, once: the webhook senders (webhooks.py), threads that POST the events its pool
     child and the other replicas' queue: the pool child never waits on a receiver."""
     if webhooks.available():
-        webhooks.Sender(SETTINGS.redis_url, SETTINGS.webhook_secret, SETTINGS.fetch_allow).start()
+        webhooks.Sender(SETTINGS.redis_url, SETTINGS.webhook_secret, SETTINGS.fetch_allow,
+                        SETTINGS.webhook_claim_s).start()
     elif SETTINGS.webhooks:
         log.info("webhooks are off: REPLICADP_WEBHOOK_SECRET is not set; requests naming one are refused")
 

@@ -26,11 +26,13 @@ from client.local.embedded import EmbeddedServer
 from client.submit import request_id_for
 from replicadp_tasks.errors import InvalidRequest, RequestCancelled
 from replicadp_tasks.keys import CANCEL_KEY, STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY, WEBHOOK_SENT_KEY
+from replicadp_tasks.settings import Settings
 from replicadp_tasks.validate import input_key, validate_request
 from replicadp_tasks.webhooks import (ATTEMPTS, DEFAULT_EVENTS, MAX_EVENTS_PER_REQUEST, Event, Webhook, backoff,
                                       emit, tenant_secret)
 
 SECRET = "test-webhook-secret-0123456789abcdef"
+CLAIM_S = 10  # REPLICADP_WEBHOOK_CLAIM where a test waits for a claim to end (the default: 60)
 SMALL = {"prompt": "a fox in snow", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
 SMALL_FORM = {"prompt": "a fox in snow", "size": "64x64", "num_frames": "5", "num_inference_steps": "2"}
 
@@ -385,13 +387,15 @@ def test_a_failing_receiver_gets_five_attempts_at_the_documented_gaps(hooked, re
 @pytest.mark.cluster
 def test_an_attempt_whose_outcome_redis_missed_is_not_made_again(receiver, tmp_path):
     """A sender cannot tell Redis how the first attempt went (Redis pauses writes, `CLIENT PAUSE`, from before
-    its answer until past the sender's socket timeout): the event is taken again when its claim ends, 60 s later, and
-    the receiver, answering 500 every time, still gets exactly 5 POSTs. Had been: the attempt was counted only
-    once told, so that one was made again: 6 POSTs, and a 60 s gap (the 41-68 s and the 6 attempts seen)."""
+    its answer until past the sender's socket timeout): the event is taken again when its claim ends
+    (REPLICADP_WEBHOOK_CLAIM, 10 s here), and the receiver, answering 500 every time, still gets exactly 5 POSTs,
+    the second of them a claim after the first. Had been: the attempt was counted only once told, so that one was
+    made again: 6 POSTs, and a claim-long gap (the 41-68 s and the 6 attempts seen)."""
     server = EmbeddedServer(tmp_path / "redis")
     url = server.start()
     group = start_replicas(1, url, "webhooks-paused", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path / "out"),
-                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET)
+                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET,
+                           REPLICADP_WEBHOOK_CLAIM=str(CLAIM_S))
     admin = redis.Redis.from_url(url)
     try:
         receiver.statuses["/paused"] = [500] * (ATTEMPTS + 2)
@@ -399,14 +403,28 @@ def test_an_attempt_whose_outcome_redis_missed_is_not_made_again(receiver, tmp_p
         emit(admin, Webhook(receiver.url("/paused"), DEFAULT_EVENTS), Event.COMPLETED, task_id="paused",
              request_id="paused", replica=None, result={})
         posts_at(receiver, "/paused")
-        admin.execute_command("CLIENT", "PAUSE", 20000, "WRITE")  # past the sender's 2 s socket timeout
+        admin.execute_command("CLIENT", "PAUSE", 5000, "WRITE")  # past the sender's 2 s socket timeout
         receiver.holds["/paused"].set()  # answered (500) within the sender's read timeout
         wait_for(lambda: give_ups(admin) == 1, "the event to be given up", timeout=180)
         assert delivered(admin, "paused.completed")
     finally:
         group.stop()
         server.stop()
-    assert len(receiver.posts["/paused"]) == ATTEMPTS
+    posts = receiver.posts["/paused"]
+    assert len(posts) == ATTEMPTS
+    assert posts[1].at - posts[0].at >= CLAIM_S - 1, [p.at - posts[0].at for p in posts]  # the claim ran out
+
+
+def test_the_claim_setting_is_checked_at_start(monkeypatch):
+    """REPLICADP_WEBHOOK_CLAIM: 60 s unset; below 10 s (one attempt's connect and send timeouts, when a second
+    sender could take an event the first still sends) it stops start-up, naming the variable and the value."""
+    monkeypatch.delenv("REPLICADP_WEBHOOK_CLAIM", raising=False)
+    assert Settings.from_env().webhook_claim_s == 60
+    monkeypatch.setenv("REPLICADP_WEBHOOK_CLAIM", "10")
+    assert Settings.from_env().webhook_claim_s == 10
+    monkeypatch.setenv("REPLICADP_WEBHOOK_CLAIM", "9")
+    with pytest.raises(SystemExit, match="REPLICADP_WEBHOOK_CLAIM=9 is below 10"):
+        Settings.from_env()
 
 
 def test_progress_events_are_not_retried(hooked, receiver):
@@ -454,7 +472,8 @@ def test_failures_are_told_where_they_are_seen(redis_db, receiver, tmp_path):
     url = redis_db()
     group = start_replicas(1, url, "webhooks-hard-limit", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path),
                            REPLICADP_SOFT_TIME_LIMIT="0", REPLICADP_TIME_LIMIT="2",
-                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET)
+                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET,
+                           REPLICADP_WEBHOOK_CLAIM=str(CLAIM_S))
     try:
         app, client = _app_for(url), redis.Redis.from_url(url)
         client.set(CANCEL_KEY + "cancelled-early", 1, ex=600)  # what client.api.cancel_request does, on this DB
@@ -527,7 +546,8 @@ def test_failed_event_queued_while_redis_refuses_connections_arrives(receiver, t
     url = server.start()
     group = start_replicas(1, url, "webhooks-refusing", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path / "out"),
                            REPLICADP_SOFT_TIME_LIMIT="2", REPLICADP_TIME_LIMIT="120",
-                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET)
+                           REPLICADP_FETCH_ALLOW="127.0.0.1/32", REPLICADP_WEBHOOK_SECRET=SECRET,
+                           REPLICADP_WEBHOOK_CLAIM=str(CLAIM_S))
     admin = redis.Redis.from_url(url)
     limit = admin.config_get("maxclients")["maxclients"]
     try:
