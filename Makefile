@@ -43,11 +43,12 @@ demo: install
 
 # pytest-xdist workers. The suite mostly waits (replicas loading, requests that last a set time): measured on
 # 2 cores, one process kept 0.57 of one core busy. A file's tests stay on one worker (--dist loadfile), so its
-# module-scoped replicas start once.
+# module-scoped replicas start once. --no-loadscope-reorder: the files go out in the order conftest.py sorts them
+# (longest first), not xdist's (most tests first), so that no long file starts last.
 TEST_WORKERS ?= 4
 
 test: install-test
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no replica (validation, schema, units, messages), in under a minute.
 quick: install-test

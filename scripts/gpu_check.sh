@@ -7,13 +7,13 @@
 #   3. starts the embedded server and ONE replica on random:wan2.2-ti2v-5b (the full-size model, random weights
 #      built on the GPU), and runs the bench at the reference workload (832x480, 33 frames, 30 steps, guidance
 #      on; 8 requests after 1 warm-up) one request at a time, recording each input's output as the baseline;
-#      then one replica with REPLICADP_DETERMINISTIC=0 (FAST_REQUESTS requests, 4): what deterministic kernels cost, and
-#      whether the outputs differ without them (reported, not a failure);
+#      then one replica with REPLICADP_DETERMINISTIC=0 (FAST_REQUESTS requests, 4; 0 skips it): what deterministic
+#      kernels cost, and whether the outputs differ without them (reported, not a failure);
 #   4. the same with TWO replicas sharing the GPU at concurrency 2 (8 requests after 2 warm-ups), checked
 #      against that baseline (isolation);
 #   5. measures each step cache against the exact path on MODEL in one process (bench/step_cache.py: DiT loop and
-#      request time, blocks skipped, PSNR; CACHE_REQUESTS requests per path, 1; bounded by CACHE_TIMEOUT, 180 s,
-#      and reported, not fatal, if cut short);
+#      request time, blocks skipped, PSNR; CACHE_REQUESTS requests per path, 1, 0 skips it; bounded by
+#      CACHE_TIMEOUT, 180 s, and reported, not fatal, if cut short);
 #   6. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
 #      utilisation and the isolation verdict, and leaves the JSON reports in $OUT.
 #
@@ -85,11 +85,13 @@ replicadp up --replicas 1 --devices "$DEVICE" "${cpu_opts[@]}" --model "$MODEL" 
 replicadp "${BENCH[@]}" --concurrency 1 --warmup 1 --label "1 replica" --write-baseline "$OUT/baseline.json" \
   --json "$OUT/one.json" || status=1
 replicadp down
-phase "one replica, deterministic kernels off"
-REPLICADP_DETERMINISTIC=0 replicadp up --replicas 1 --devices "$DEVICE" "${cpu_opts[@]}" --model "$MODEL" --timeout 600
-replicadp bench --num-requests "$FAST_REQUESTS" "${BENCH[@]:3}" --concurrency 1 --warmup 1 \
-  --label "1 replica, nondeterministic" --check-baseline "$OUT/baseline.json" --json "$OUT/fast.json" || true
-replicadp down
+if (( FAST_REQUESTS > 0 )); then
+  phase "one replica, deterministic kernels off"
+  REPLICADP_DETERMINISTIC=0 replicadp up --replicas 1 --devices "$DEVICE" "${cpu_opts[@]}" --model "$MODEL" --timeout 600
+  replicadp bench --num-requests "$FAST_REQUESTS" "${BENCH[@]:3}" --concurrency 1 --warmup 1 \
+    --label "1 replica, nondeterministic" --check-baseline "$OUT/baseline.json" --json "$OUT/fast.json" || true
+  replicadp down
+fi
 # 4. Two replicas sharing the GPU, two requests at a time, checked against the baseline.
 tpm=$(python3 -c "import json; print(json.load(open('$OUT/one.json'))['videos_per_min'])")
 if [[ $DEVICE == cpu ]]; then both=cpu; else both=$DEVICE,$DEVICE; fi
@@ -100,11 +102,13 @@ replicadp "${BENCH[@]}" --concurrency 2 --warmup 2 --label "2 replicas, one GPU"
 replicadp down
 
 # 5. Step caches against the exact path, in one process (the replicas are down: the GPU is this step's alone).
-phase "step caches"
-if ! timeout "${CACHE_TIMEOUT:-180}" python3 bench/step_cache.py --model "$MODEL" --size "$SIZE" --frames "$FRAMES" \
-    --steps "$STEPS" --requests "${CACHE_REQUESTS:-1}" --out "$OUT/step-cache.json"; then
-  echo "gpu_check: the step-cache step failed or ran past ${CACHE_TIMEOUT:-180} s (above)" >&2
-  status=1
+if (( ${CACHE_REQUESTS:-1} > 0 )); then
+  phase "step caches"
+  if ! timeout "${CACHE_TIMEOUT:-180}" python3 bench/step_cache.py --model "$MODEL" --size "$SIZE" --frames "$FRAMES" \
+      --steps "$STEPS" --requests "${CACHE_REQUESTS:-1}" --out "$OUT/step-cache.json"; then
+    echo "gpu_check: the step-cache step failed or ran past ${CACHE_TIMEOUT:-180} s (above)" >&2
+    status=1
+  fi
 fi
 
 # 6. The figures side by side.
@@ -124,7 +128,7 @@ if (out / "kernels.json").exists():
               f"per transformer pass, after {c['compile_s']:.0f} s compiling")
 print(f"{'run':<28}{'p50 latency':>13}{'videos/min':>12}{'DiT MFU':>9}{'peak GiB/replica':>18}  isolation")
 for name in ("one", "fast", "two"):
-    if not (out / f"{name}.json").exists():  # its bench failed: the error is above
+    if not (out / f"{name}.json").exists():  # its bench failed (the error is above), or FAST_REQUESTS=0
         print(f"{name}: no report")
         continue
     rep = json.loads((out / f"{name}.json").read_text())

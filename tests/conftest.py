@@ -55,10 +55,11 @@ def pytest_configure(config):
 # out of `make quick`. A test that starts replicas without one of them says so with @pytest.mark.cluster; in every
 # run, start_replicas refuses to start replicas for a test not so marked, so that the quick loop stays quick.
 CLUSTER_FIXTURES = {"redis_db", "redis_server", "replicas", "tiny_model", "clean_env", "s3_server"}
-# The files that take minutes (measured: docs/benchmarks.md, the suite's figures) go to the xdist workers first,
-# so that none of them starts last and keeps the run waiting on one worker.
-LONGEST_FIRST = ["test_faults.py", "test_gpu_check.py", "test_isolation.py", "test_hostile.py", "test_step_cache.py",
-                 "test_cli.py", "test_ops.py", "test_embedded.py"]
+# The files that take minutes go to the xdist workers first, longest first (seconds measured in a `make test` run,
+# docs/benchmarks.md "The test suite"), so that none of them starts last and keeps the run waiting on one worker.
+LONGEST_FIRST = ["test_faults.py", "test_hostile.py", "test_isolation.py", "test_embedded.py", "test_ops.py",
+                 "test_step_cache.py", "test_cli.py", "test_http.py", "test_gpu_check.py", "test_webhooks.py",
+                 "test_scheduling.py", "test_stopped.py", "test_bench.py", "test_architectures.py", "test_worker.py"]
 _RUNNING = {"cluster": False}  # whether the test being set up now is marked `cluster`
 
 

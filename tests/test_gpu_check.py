@@ -86,9 +86,13 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
 def test_gpu_check_goes_on_when_the_kernels_step_is_cut_short(tmp_path):
     """A kernels step past KERNELS_TIMEOUT (1 s here: it is killed while importing torch) costs the check only
     its kernel figures: it says so, the replicas run on the default attention backend and pass the isolation
-    check, and the exit status is 1 (something was not measured)."""
-    run, out = run_check(tmp_path, KERNELS_TIMEOUT="1", REQUESTS="2")
+    check, and the exit status is 1 (something was not measured). FAST_REQUESTS=0 and CACHE_REQUESTS=0 skip the
+    nondeterministic run and the step caches (measured by the test above)."""
+    run, out = run_check(tmp_path, KERNELS_TIMEOUT="1", REQUESTS="2", FAST_REQUESTS="0", CACHE_REQUESTS="0")
     assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
+    assert not (out / "fast.json").exists() and not (out / "step-cache.json").exists()
+    assert "gpu_check [" in run.stdout and "deterministic kernels off" not in run.stdout
+    assert "fast: no report" in run.stdout
     assert "the kernels step failed or ran past 1 s" in run.stderr
     assert "replicas: REPLICADP_ATTENTION=native (default) " in run.stdout
     two = json.loads((out / "two.json").read_text())
