@@ -153,9 +153,22 @@ def clean_env(tmp_path):
     return env, tmp
 
 
+# moto's server (`python -m moto.server`), but serving one request at a time: moto checks a conditional put's
+# If-None-Match and then writes, with no lock between, so that on its threaded server two puts of one key at once
+# can both succeed (seen under load: test_s3's racing puts), which S3 itself never allows. One at a time, each
+# check-and-write is atomic, as S3's are.
+MOTO_ONE_REQUEST_AT_A_TIME = (
+    "import os, sys; from werkzeug.serving import run_simple; "
+    "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app; "
+    "os.environ['MOTO_PORT'] = sys.argv[2]; "
+    "run_simple(sys.argv[1], int(sys.argv[2]), DomainDispatcherApplication(create_backend_app), threaded=False, "
+    "request_handler=MotoRequestHandler)")
+
+
 @pytest.fixture(scope="session")
 def s3_server():
-    """moto's standalone S3 server, a process of its own on 127.0.0.1 and a free port, spoken to over HTTP (boto3
+    """moto's standalone S3 server (one request at a time), a process of its own on 127.0.0.1 and a free port,
+    spoken to over HTTP (boto3
     with its endpoint URL); stopped after the session. It takes any credentials: this process, and the replicas,
     clients and gateways it starts from now on, get test ones through boto3's own variables, and its endpoint URL
     (REPLICADP_S3_ENDPOINT_URL; this process read its SETTINGS before: in here, pass `.url`)."""
@@ -167,7 +180,7 @@ def s3_server():
     port = _free_port()
     (SESSION_DIR / "logs").mkdir(parents=True, exist_ok=True)
     with open(SESSION_DIR / "logs" / "moto.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-c", MOTO_ONE_REQUEST_AT_A_TIME, "127.0.0.1", str(port)], stdout=log,
                                 stderr=subprocess.STDOUT, preexec_fn=die_with_parent)  # noqa: PLW1509 (as Replicas)
     url = os.environ["REPLICADP_S3_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
     client = new_s3_client(url)
