@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from replicadp_tasks.architectures import PEAK_TFLOPS
+from replicadp_tasks.architectures import GPU_MEMORY_GIB, PEAK_TFLOPS
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.scheduling import Priority, check_user
 from replicadp_tasks.step_cache import Quality
@@ -654,7 +654,8 @@ def health(replica, stall_after, timeout):
 
 @main.command("make-tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--variant", type=click.Choice(["wan2.2-ti2v", "wan2.1-t2v"]), default="wan2.2-ti2v", show_default=True)
+@click.option("--variant", type=click.Choice(["wan2.2-ti2v", "wan2.1-t2v", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b"]),
+              default="wan2.2-ti2v", show_default=True)
 def make_tiny_model(directory, variant):
     """Write a tiny random-weight Wan pipeline (save_pretrained layout) for offline tests and demos."""
     from replicadp_tasks.tiny_model import ensure_tiny_model
@@ -695,18 +696,24 @@ def calibrate_mag_cmd(model, size, num_frames, steps, prompts, out):
 @click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
 @click.option("--steps", default=DEFAULTS["num_inference_steps"], show_default=True)
 @click.option("--peak-tflops", default=PEAK_TFLOPS, show_default=True, help=f"The chip's bf16 TFLOP/s ({PEAKS}).")
+@click.option("--gpus", default=1, show_default=True, type=click.IntRange(1, 8),
+              help="GPUs per replica (GPUS_PER_REPLICA), for the memory check.")
+@click.option("--gpu-memory-gib", default=GPU_MEMORY_GIB, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Each GPU's memory, for the memory check.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), callback=json_to,
               help="Write the figures as JSON to this file, or to stdout with - (the table then goes to stderr).")
-def describe_model(spec, size, num_frames, steps, peak_tflops, json_out):
-    """Each component's parameter count and size, built on the meta device (nothing is allocated), and the
-    transformer's FLOPs per request. SPEC: random:ARCH (or ARCH), or tiny / tiny-wan2.1."""
+def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_gib, json_out):
+    """Each component's parameter count and size, built on the meta device (nothing is allocated), each
+    transformer expert's FLOPs per request, and whether the replica's GPUs hold the weights. SPEC: random:ARCH
+    (or ARCH), or a tiny spec (tiny, tiny-wan2.1, tiny-a14b, tiny-i2v-a14b)."""
     from .bench.describe import architecture_of, figures, print_figures
 
     try:
         name = architecture_of(spec)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC")
-    fig = figures(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps, peak_tflops=peak_tflops)
+    fig = figures(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps, peak_tflops=peak_tflops,
+                  gpus=gpus, gpu_memory_gib=gpu_memory_gib)
     print_figures(fig)
     if json_out:
         write_json(json_out, fig)

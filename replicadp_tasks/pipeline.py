@@ -20,14 +20,17 @@ from typing import Callable
 import numpy as np
 
 from . import determinism, hub
-from .architectures import architecture, build_pipeline, request_flops
-from .errors import ModelLoadError, OutOfMemory
+from .architectures import ARCHITECTURES, architecture, build_pipeline, expert_steps, request_flops
+from .errors import InvalidRequest, ModelLoadError, OutOfMemory
 from .quantization import Quantize, quantize
 from .step_cache import CacheMethod, Quality, StepCache
 from .validate import REFERENCE_WORK, GenerateRequest
 from .video import to_uint8
 
-TINY_SPECS = {"tiny": "wan2.2-ti2v", "tiny-wan2.1": "wan2.1-t2v"}
+TINY_SPECS = {"tiny": "wan2.2-ti2v", "tiny-wan2.1": "wan2.1-t2v", "tiny-a14b": "wan2.2-t2v-a14b",
+              "tiny-i2v-a14b": "wan2.2-i2v-a14b"}
+# The pipeline classes a model folder's model_index.json may name (`_class_name`).
+PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 # `random:ARCH` builds architecture ARCH (architectures.py) with random weights on the replica's GPU: the full
 # compute of a model whose weights cannot be downloaded here.
 RANDOM_PREFIX = "random:"
@@ -60,6 +63,16 @@ def resolve_model(spec: str, model_cache: Path) -> str:
     if spec.startswith((".", "/", "~")):
         raise ModelLoadError(f"REPLICADP_MODEL={spec!r}: no such folder")
     return hub.download(spec)
+
+
+def pipeline_class(folder: str):
+    """The diffusers pipeline class that `folder`'s model_index.json names; ValueError for another one."""
+    import diffusers
+
+    name = json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name")
+    if name not in PIPELINE_CLASSES:
+        raise ValueError(f"model_index.json names {name!r}; replicadp serves {', '.join(PIPELINE_CLASSES)}")
+    return getattr(diffusers, name)
 
 
 @dataclass(frozen=True)
@@ -107,8 +120,24 @@ class PipelineHolder:
 
     @property
     def accepts_image(self) -> bool:
-        """Only TI2V models (Wan2.2-TI2V-5B) take a first frame; Wan2.1/2.2 T2V have no image channels."""
-        return self.synthetic_s is not None or bool(self.pipe.config.get("expand_timesteps"))
+        """TI2V models (Wan2.2-TI2V-5B) take a first frame, and image-to-video ones (Wan2.2-I2V-A14B) need one;
+        Wan2.1/2.2 T2V have no image channels."""
+        return self.synthetic_s is not None or bool(self.pipe.config.get("expand_timesteps")) or self.requires_image
+
+    @property
+    def requires_image(self) -> bool:
+        """An image-to-video model (WanImageToVideoPipeline, as Wan2.2-I2V-A14B) cannot run without a first frame."""
+        if self.synthetic_s is not None:
+            return False
+        from diffusers import WanImageToVideoPipeline
+
+        return isinstance(self.pipe, WanImageToVideoPipeline)
+
+    @property
+    def boundary_ratio(self) -> float | None:
+        """Where a two-expert model switches from `transformer` to `transformer_2`, as a share of the scheduler's
+        training timesteps (the pipeline's config); None for one expert."""
+        return None if self.synthetic_s is not None else self.pipe.config.get("boundary_ratio")
 
     @property
     def qualities(self) -> list[str]:
@@ -138,7 +167,7 @@ class PipelineHolder:
         import diffusers
         import torch
         import transformers
-        from diffusers import AutoencoderKLWan, WanPipeline
+        from diffusers import AutoencoderKLWan
 
         # Load-time progress bars would fill the replica's log with carriage returns.
         diffusers.utils.logging.disable_progress_bar()
@@ -161,28 +190,33 @@ class PipelineHolder:
                 name = self.spec[len(RANDOM_PREFIX):]
                 architecture(name)  # an unknown one: ValueError naming the choices
                 if self.device == "cpu" and not name.startswith("tiny-"):
-                    raise ValueError("a full-size architecture is built on a GPU, and this replica has none "
-                                     "(on a CPU, use random:tiny-wan2.2-ti2v or random:tiny-wan2.1-t2v)")
+                    tiny = ", ".join(f"random:{n}" for n in ARCHITECTURES if n.startswith("tiny-"))
+                    raise ValueError(f"a full-size architecture is built on a GPU, and this replica has none "
+                                     f"(on a CPU, use one of {tiny})")
                 pipe = build_pipeline(name, device=self.devices[0], dtype=dtype)
             else:
                 source = resolve_model(self.spec, self.model_cache)
+                # The folder's class: an I2V A14B model is a WanImageToVideoPipeline. Both load `transformer_2`
+                # and `boundary_ratio` where model_index.json has them (Wan2.2 A14B).
+                cls = pipeline_class(source)
                 vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", dtype=torch.float32)
-                pipe = WanPipeline.from_pretrained(source, vae=vae, dtype=dtype)
+                pipe = cls.from_pretrained(source, vae=vae, dtype=dtype)
         except (OSError, ValueError, EnvironmentError) as exc:
             raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load: {exc}") from exc
         place(pipe, self.devices)
         # 3. Fidelity for speed, for every request: an FP8 transformer (REPLICADP_QUANTIZE), before it is compiled.
         #    The step cache is the other such option, installed per fast request (generate).
         quantize(pipe, self.quantize, self.device, self.devices)
-        # 4. Speed: the attention kernels, and compilation of the transformer (on the first request of a shape).
-        try:
-            pipe.transformer.set_attention_backend(self.attention)
-        except (ValueError, RuntimeError, ImportError) as exc:
-            raise ModelLoadError(f"REPLICADP_ATTENTION={self.attention!r}: {exc}") from exc
-        if self.compile == "blocks":
-            pipe.transformer.compile_repeated_blocks(fullgraph=True)
-        elif self.compile == "full":
-            pipe.transformer.compile(fullgraph=True)
+        # 4. Speed: the attention kernels, and compilation of each expert (on the first request of a shape).
+        for expert in experts(pipe):
+            try:
+                expert.set_attention_backend(self.attention)
+            except (ValueError, RuntimeError, ImportError) as exc:
+                raise ModelLoadError(f"REPLICADP_ATTENTION={self.attention!r}: {exc}") from exc
+            if self.compile == "blocks":
+                expert.compile_repeated_blocks(fullgraph=True)
+            elif self.compile == "full":
+                expert.compile(fullgraph=True)
         # 5. Options that trade speed for memory.
         if self.vae_tiling:
             pipe.vae.enable_tiling()
@@ -193,7 +227,8 @@ class PipelineHolder:
                  on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Run one request; return uint8 frames shaped (num_frames, height, width, 3).
 
-        `image` is an optional PIL first frame (TI2V); `on_step(step, total)` is called after each denoising step.
+        `image` is a PIL first frame: optional for TI2V, required for I2V (InvalidRequest naming `image` without
+        one); `on_step(step, total)` is called after each denoising step.
         """
         if self.synthetic_s is not None:
             return self._synthetic(req, image, on_step)
@@ -219,9 +254,14 @@ class PipelineHolder:
             generator=generator, output_type="np", callback_on_step_end=callback,
         )
         self._reset_peak_memory()
-        # 2. Text-to-video on the resident pipeline, or image-to-video on a view sharing its weights.
+        # 2. Text-to-video on the resident pipeline, or image-to-video: on the pipeline itself for an I2V model,
+        #    on a view sharing its weights for TI2V.
         pipe = self.pipe
-        if image is not None:
+        if self.requires_image:
+            if image is None:
+                raise InvalidRequest.of("image", f"model {self.spec!r} is image-to-video and needs a first frame")
+            kwargs["image"] = image
+        elif image is not None:
             if self._i2v is None:
                 from diffusers import WanImageToVideoPipeline
 
@@ -261,13 +301,20 @@ class PipelineHolder:
         return frames
 
     def dit_flops(self, req: GenerateRequest) -> int:
-        """The transformer's FLOPs for `req` (see architectures.request_flops)."""
+        """The transformers' FLOPs for `req`, both experts together (see expert_flops)."""
+        return sum(self.expert_flops(req).values())
+
+    def expert_flops(self, req: GenerateRequest) -> dict[str, int]:
+        """Each expert's FLOPs for `req` (architectures.request_flops), over the steps it runs: for two experts,
+        the steps the scheduler puts at or above the boundary go to `transformer`, the others to `transformer_2`."""
         pipe = self.pipe
-        return request_flops(pipe.transformer.config, height=req.height, width=req.width, num_frames=req.num_frames,
-                             steps=req.num_inference_steps, guidance=req.guidance_scale > 1.0,
-                             vae_spatial=pipe.vae_scale_factor_spatial, vae_temporal=pipe.vae_scale_factor_temporal,
-                             per_token_timesteps=bool(pipe.config.get("expand_timesteps")),
-                             text_len=req.max_sequence_length)
+        split = expert_steps(pipe.scheduler, req.num_inference_steps, self.boundary_ratio)
+        return {name: request_flops(
+                    expert.config, height=req.height, width=req.width, num_frames=req.num_frames, steps=steps,
+                    guidance=req.guidance_scale > 1.0, vae_spatial=pipe.vae_scale_factor_spatial,
+                    vae_temporal=pipe.vae_scale_factor_temporal,
+                    per_token_timesteps=bool(pipe.config.get("expand_timesteps")), text_len=req.max_sequence_length)
+                for name, expert, steps in zip(("transformer", "transformer_2"), experts(pipe), split)}
 
     def _synchronize(self) -> None:
         import torch
@@ -327,20 +374,35 @@ class PipelineHolder:
         return np.ascontiguousarray(np.broadcast_to(colours, (req.num_frames, req.height, req.width, 3)))
 
 
+def experts(pipe) -> list:
+    """The pipeline's transformers: `transformer`, and `transformer_2` (the low-noise expert) for Wan2.2 A14B."""
+    return [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
+
+
+def placement(components, gpus: int) -> dict[str, int]:
+    """Which of `gpus` devices (by index) holds each of `components` (names): on one, all on it; across several,
+    the transformer and `transformer_2` (both experts) on the second, the text encoder on the first, the VAE on
+    the third if there is one, else on the first. place() and describe-model's memory check use it."""
+    if gpus == 1:
+        return {name: 0 for name in components}
+    where = {"text_encoder": 0, "transformer": 1, "transformer_2": 1, "vae": 2 if gpus > 2 else 0}
+    return {name: where[name] for name in components}
+
+
 def place(pipe, devices: list[str]) -> None:
-    """Put the pipeline's models on `devices`. On one, all of it. Across several (GPUS_PER_REPLICA): the
-    transformer on the second GPU, the text encoder on the first, the VAE on the third if there is one, else on
-    the first; accelerate's hooks move each model's inputs to its device and its outputs back, so the pipeline's
-    own code runs unchanged (its tensors live on the first hooked model's device)."""
+    """Put the pipeline's models on `devices` (see placement); across several GPUs (GPUS_PER_REPLICA),
+    accelerate's hooks move each model's inputs to its device and its outputs back, so the pipeline's own code
+    runs unchanged (its tensors live on the first hooked model's device)."""
     if len(devices) == 1:
         pipe.to(devices[0])
         return
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
-    where = {"text_encoder": devices[0], "transformer": devices[1], "vae": devices[2 if len(devices) > 2 else 0]}
-    for name, device in where.items():
-        module = getattr(pipe, name).to(device)
-        add_hook_to_module(module, AlignDevicesHook(execution_device=device, io_same_device=True))
+    models = [name for name in ("text_encoder", "transformer", "transformer_2", "vae")
+              if getattr(pipe, name, None) is not None]
+    for name, index in placement(models, len(devices)).items():
+        module = getattr(pipe, name).to(devices[index])
+        add_hook_to_module(module, AlignDevicesHook(execution_device=devices[index], io_same_device=True))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

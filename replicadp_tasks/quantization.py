@@ -40,4 +40,6 @@ def quantize(pipe, mode: Quantize, device: str, devices: list[str]) -> None:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
     except ImportError as exc:
         raise ModelLoadError(f"REPLICADP_QUANTIZE={mode}: needs torchao (pip install 'replicadp[fp8]'): {exc}") from None
-    quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig())
+    for expert in (pipe.transformer, getattr(pipe, "transformer_2", None)):  # both of Wan2.2 A14B's experts
+        if expert is not None:
+            quantize_(expert, Float8DynamicActivationFloat8WeightConfig())

@@ -92,6 +92,8 @@ class Delivery:
                                max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
                                qualities=pipeline.qualities)
         image, image_sha256 = None, None
+        if req.image is None and pipeline.requires_image:
+            raise InvalidRequest.of("image", f"model {SETTINGS.model!r} is image-to-video and needs a first frame")
         if req.image is not None:
             if not pipeline.accepts_image:
                 raise InvalidRequest.of("image", f"model {SETTINGS.model!r} is text-to-video only and takes no "

@@ -1,7 +1,9 @@
 """Tiny random-weight Wan video pipelines, built fully offline.
 
 The saved folder has the same layout as a real Wan checkpoint, so code under
-test loads it with the ordinary ``diffusers.WanPipeline.from_pretrained(dir)``.
+test loads it with the ordinary ``diffusers.WanPipeline.from_pretrained(dir)``
+(``WanImageToVideoPipeline`` for the image-to-video A14B stand-in: its
+model_index.json names the class).
 torch/diffusers/transformers are imported inside the functions because a Celery
 parent process imports this module and must not pay for (or fork) torch.
 """
@@ -11,7 +13,8 @@ import pathlib
 import shutil
 import tempfile
 
-VARIANTS = ("wan2.2-ti2v", "wan2.1-t2v")
+# Each is architectures.py's `tiny-VARIANT`; the A14B ones have two differently seeded experts and a boundary.
+VARIANTS = ("wan2.2-ti2v", "wan2.1-t2v", "wan2.2-t2v-a14b", "wan2.2-i2v-a14b")
 
 
 def _check_variant(variant):
@@ -20,7 +23,8 @@ def _check_variant(variant):
 
 
 def build_tiny_pipeline(variant: str = "wan2.2-ti2v"):
-    """Return a freshly built diffusers.WanPipeline (eval mode, fp32, seeded so the weights are the same every time)."""
+    """Return a freshly built diffusers.WanPipeline, or WanImageToVideoPipeline for "wan2.2-i2v-a14b" (eval
+    mode, fp32, seeded so the weights are the same every time)."""
     _check_variant(variant)
     from .architectures import build_pipeline
 

@@ -38,15 +38,16 @@ def counted_flops(name: str, device: str, frames=3, height=8, width=12, text_len
     return counter.get_total_flops(), dit_flops(cfg, tokens, text_len, timestep_tokens=tokens if arch.ti2v else 1)
 
 
-@pytest.mark.parametrize("name", ["tiny-wan2.2-ti2v", "tiny-wan2.1-t2v"])
+@pytest.mark.parametrize("name", ["tiny-wan2.2-ti2v", "tiny-wan2.1-t2v", "tiny-wan2.2-t2v-a14b",
+                                  "tiny-wan2.2-i2v-a14b"])
 def test_dit_flops_equal_a_real_forward_pass(name):
     """The FLOP formula behind MFU counts exactly the matrix products that a real forward pass runs (per-token
-    timesteps for TI2V, one per sample for T2V)."""
+    timesteps for TI2V, one per sample for T2V and the A14B experts, 36 input channels for I2V)."""
     counted, formula = counted_flops(name, "cpu")
     assert counted == formula
 
 
-@pytest.mark.parametrize("name", ["wan2.2-ti2v-5b", "wan2.1-t2v-1.3b"])
+@pytest.mark.parametrize("name", ["wan2.2-ti2v-5b", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-i2v-a14b"])
 def test_dit_flops_of_the_full_size_models(name):
     """The same on the full-size configs, run on the meta device (shapes only, nothing computed)."""
     counted, formula = counted_flops(name, "meta", frames=9, height=30, width=52, text_len=512)

@@ -1,18 +1,21 @@
-"""`replicadp describe-model`: what a model weighs, component by component, and its transformer's FLOPs per
-request: the figures for sizing a GPU and behind the bench's model FLOP utilisation."""
+"""`replicadp describe-model`: what a model weighs, component by component, its transformers' FLOPs per request
+(each expert's, for Wan2.2's two-expert A14B models), and whether the replica's GPUs can hold its weights: the
+figures for sizing a GPU and behind the bench's model FLOP utilisation."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from replicadp_tasks.architectures import ARCHITECTURES, describe, reference_flops
-from replicadp_tasks.pipeline import RANDOM_PREFIX, TINY_SPECS
+from replicadp_tasks.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, describe,
+                                           reference_expert_flops)
+from replicadp_tasks.pipeline import RANDOM_PREFIX, TINY_SPECS, placement
 
 from ..progress import console
 
 
 def architecture_of(spec: str) -> str:
-    """The architecture that `spec` names (random:ARCH or ARCH, tiny or tiny-wan2.1); ValueError if none."""
+    """The architecture that `spec` names (random:ARCH or ARCH, or a tiny spec such as tiny-wan2.1); ValueError if
+    none."""
     name = spec.removeprefix(RANDOM_PREFIX)
     name = f"tiny-{TINY_SPECS[name]}" if name in TINY_SPECS else name
     if name not in ARCHITECTURES:
@@ -21,13 +24,28 @@ def architecture_of(spec: str) -> str:
     return name
 
 
-def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, peak_tflops: float) -> dict:
-    """Each component's parameters (built on the meta device: nothing is allocated) and the transformer's FLOPs
-    for one request of that shape, guidance on."""
-    return {"architecture": name, "components": describe(name),
+def memory(rows: list[dict], gpus: int, gpu_memory_gib: float) -> dict:
+    """The weights as served on each of `gpus` GPUs of `gpu_memory_gib`, placed as a replica places them
+    (pipeline.placement: both experts together), and whether each GPU holds its share. Weights only: the
+    activations of a request, the CUDA context and the allocator's slack come on top."""
+    where = placement([r["component"] for r in rows], gpus)
+    per_gpu = [sum(r["served_bytes"] for r in rows if where[r["component"]] == i) for i in range(gpus)]
+    return {"gpus": gpus, "gpu_memory_gib": gpu_memory_gib, "weights_bytes_per_gpu": per_gpu,
+            "fits": all(b <= gpu_memory_gib * 2**30 for b in per_gpu)}
+
+
+def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, peak_tflops: float,
+            gpus: int = 1, gpu_memory_gib: float = GPU_MEMORY_GIB) -> dict:
+    """Each component's parameters (built on the meta device: nothing is allocated), each expert's steps and
+    FLOPs for one request of that shape, guidance on (`dit_flops`: all experts together), and whether `gpus`
+    GPUs of `gpu_memory_gib` hold the weights."""
+    rows = describe(name)
+    experts = reference_expert_flops(name, width=width, height=height, num_frames=num_frames, steps=steps)
+    return {"architecture": name, "components": rows,
             "request": {"width": width, "height": height, "num_frames": num_frames, "steps": steps, "guidance": True},
-            "dit_flops": reference_flops(name, width=width, height=height, num_frames=num_frames, steps=steps),
-            "peak_tflops": peak_tflops}
+            "boundary_ratio": architecture(name).boundary_ratio, "experts": experts,
+            "dit_flops": sum(e["dit_flops"] for e in experts.values()),
+            "peak_tflops": peak_tflops, "memory": memory(rows, gpus, gpu_memory_gib)}
 
 
 def print_figures(fig: dict) -> None:
@@ -42,6 +60,15 @@ def print_figures(fig: dict) -> None:
     t.add_row("total", "", f"{total / 1e9:.3f} B", f"{2 * total / 2**30:.2f} GiB",
               f"{sum(r['served_bytes'] for r in rows) / 2**30:.2f} GiB")
     console.print(t)
-    console.print(f"transformer FLOPs per request ({req['width']}x{req['height']}, {req['num_frames']} frames, "
-                  f"{req['steps']} steps, guidance on): {flops / 1e15:.2f} PFLOP; {flops / (peak * 1e12):.2f} s at "
-                  f"{peak:g} TFLOP/s")
+    shape = f"{req['width']}x{req['height']}, {req['num_frames']} frames, {req['steps']} steps, guidance on"
+    if len(fig["experts"]) > 1:
+        console.print(f"two experts, switched at boundary_ratio {fig['boundary_ratio']:g} (`transformer`: the "
+                      f"steps at or above it; `transformer_2`: the rest)")
+        for expert, e in fig["experts"].items():
+            console.print(f"  {expert}: {e['steps']} steps, {e['dit_flops'] / 1e15:.2f} PFLOP")
+    console.print(f"transformer FLOPs per request ({shape}): {flops / 1e15:.2f} PFLOP; {flops / (peak * 1e12):.2f} s "
+                  f"at {peak:g} TFLOP/s")
+    mem = fig["memory"]
+    shares = " + ".join(f"{b / 2**30:.1f}" for b in mem["weights_bytes_per_gpu"])
+    console.print(f"weights on {mem['gpus']} GPU(s) of {mem['gpu_memory_gib']:g} GiB: {shares} GiB: "
+                  f"{'fits' if mem['fits'] else 'does NOT fit'} (weights only; activations come on top)")

@@ -1,0 +1,225 @@
+"""Wan2.2's two-expert A14B models: the published configs of the 14B architectures, the tiny two-expert stand-ins
+(built offline, saved and loaded with from_pretrained like the other tiny models), which expert runs which
+denoising step, the boundary, the image-to-video stand-in's first frame, and describe-model's figures per expert.
+The pipeline holder alone, real diffusers pipelines, no Celery."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanImageToVideoPipeline, WanPipeline
+from PIL import Image
+
+from replicadp_tasks.architectures import ARCHITECTURES, describe, dit_flops, reference_flops
+from replicadp_tasks.errors import InvalidRequest, ModelLoadError
+from replicadp_tasks.pipeline import PipelineHolder, place, resolve_model
+from replicadp_tasks.validate import validate_request
+
+REQUEST = {"prompt": "a red fox in snow", "seed": 3, "height": 64, "width": 64, "num_frames": 5,
+           "num_inference_steps": 4}
+# The published numbers. Transformer: Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py and wan_i2v_A14B.py (dim 5120,
+# ffn_dim 13824, 40 heads, 40 layers, freq_dim 256; boundary, sample_shift, sample_guide_scale as (low, high)
+# noise), the same dims in diffusers' scripts/convert_wan_to_diffusers.py ("Wan-T2V-14B", "Wan2.2-T2V-A14B",
+# "Wan2.2-I2V-14B-720p": in_channels 16 / 36, out_channels 16, text_dim 4096, boundary_ratio 0.875 / 0.9).
+# Wan2.1-T2V-14B: Wan-Video/Wan2.1 wan/configs/wan_t2v_14B.py, and its generate.py defaults (shift 5.0 for t2v,
+# --sample_guide_scale 5.0).
+PUBLISHED = {
+    "wan2.1-t2v-14b": dict(in_channels=16, boundary_ratio=None, flow_shift=5.0, guidance=(5.0, None)),
+    "wan2.2-t2v-a14b": dict(in_channels=16, boundary_ratio=0.875, flow_shift=12.0, guidance=(4.0, 3.0)),
+    "wan2.2-i2v-a14b": dict(in_channels=36, boundary_ratio=0.900, flow_shift=5.0, guidance=(3.5, 3.5)),
+}
+
+
+@pytest.fixture(scope="module")
+def model_cache():
+    """The two tiny stand-ins, built once into the session's model cache (as conftest's `tiny_model`)."""
+    cache = Path(os.environ["REPLICADP_MODEL_CACHE"])
+    for spec in ("tiny-a14b", "tiny-i2v-a14b"):
+        resolve_model(spec, cache)
+    return cache
+
+
+def holder(spec: str, cache: Path) -> PipelineHolder:
+    h = PipelineHolder(spec, model_cache=cache)
+    h.load()
+    return h
+
+
+@pytest.fixture(scope="module")
+def t2v(model_cache):
+    return holder("tiny-a14b", model_cache)
+
+
+@pytest.fixture(scope="module")
+def i2v(model_cache):
+    return holder("tiny-i2v-a14b", model_cache)
+
+
+def frames_of(h: PipelineHolder, image=None, **fields) -> np.ndarray:
+    req = validate_request({**REQUEST, **fields}, size_multiple=h.size_multiple, max_prompt_chars=4000,
+                           max_work=10**12)
+    return h.generate(req, image=image)
+
+
+def first_frame(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+
+
+def expert_calls(h: PipelineHolder, image=None) -> list[tuple[str, int]]:
+    """(expert, timestep) of every transformer forward pass of one request, from forward hooks on both experts."""
+    calls, hooks = [], []
+    for name in ("transformer", "transformer_2"):
+        def record(module, args, kwargs, output, name=name):
+            calls.append((name, int(kwargs["timestep"].flatten()[0])))
+        hooks.append(getattr(h.pipe, name).register_forward_hook(record, with_kwargs=True))
+    try:
+        frames_of(h, image)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_full_size_configs_are_the_published_ones(name):
+    """The 14B architectures carry the published numbers: 40 heads x 128 = 5120 wide, ffn 13824, 40 layers,
+    freq_dim 256, text_dim 4096, Wan2.1's 16-channel VAE (base_dim 96), in_channels 16 for T2V and 36 for I2V
+    (16 noise + 4 mask + 16 image latents), and the boundary, shift and guidance of Wan's own configs."""
+    arch, want = ARCHITECTURES[name], PUBLISHED[name]
+    t = arch.transformer
+    assert (t["num_attention_heads"] * t["attention_head_dim"], t["num_attention_heads"]) == (5120, 40)
+    assert (t["ffn_dim"], t["num_layers"], t["freq_dim"], t["text_dim"]) == (13824, 40, 256, 4096)
+    assert (t["in_channels"], t["out_channels"], tuple(t["patch_size"])) == (want["in_channels"], 16, (1, 2, 2))
+    assert (arch.vae["z_dim"], arch.vae["base_dim"]) == (16, 96)
+    assert (arch.boundary_ratio, arch.flow_shift) == (want["boundary_ratio"], want["flow_shift"])
+    assert (arch.guidance_scale, arch.guidance_scale_2) == want["guidance"]
+    assert arch.experts == (("transformer",) if want["boundary_ratio"] is None else ("transformer", "transformer_2"))
+    assert not arch.ti2v and arch.i2v == (want["in_channels"] == 36)
+
+
+def test_stand_ins_load_as_two_differently_seeded_experts(t2v, i2v):
+    """The saved stand-ins load with from_pretrained into the class their model_index.json names, with both
+    experts (their weights differ) and the boundary; the T2V one takes no image, the I2V one requires it."""
+    for h, cls, boundary in ((t2v, WanPipeline, 0.875), (i2v, WanImageToVideoPipeline, 0.9)):
+        assert type(h.pipe) is cls and h.boundary_ratio == boundary
+        a, b = h.pipe.transformer.state_dict(), h.pipe.transformer_2.state_dict()
+        assert a.keys() == b.keys() and not all(torch.equal(a[k], b[k]) for k in a)
+    assert (t2v.accepts_image, t2v.requires_image) == (False, False)
+    assert (i2v.accepts_image, i2v.requires_image) == (True, True)
+    assert i2v.pipe.image_encoder is None  # Wan2.2 I2V has no CLIP image encoder
+
+
+@pytest.mark.parametrize("spec", ["t2v", "i2v"])
+def test_each_step_runs_the_expert_its_timestep_picks(request, spec):
+    """Steps whose timestep is >= boundary_ratio x 1000 run on `transformer` (two passes each: guidance), the rest
+    on `transformer_2`; both run in 4 steps; and the FLOPs the holder reports are each expert's passes times the
+    formula's per-pass figure."""
+    h = request.getfixturevalue(spec)
+    calls = expert_calls(h, first_frame(0) if h.requires_image else None)
+    scheduler = type(h.pipe.scheduler).from_config(h.pipe.scheduler.config)  # the pipeline's own is left alone
+    scheduler.set_timesteps(REQUEST["num_inference_steps"])
+    boundary = h.boundary_ratio * scheduler.config.num_train_timesteps
+    want = [("transformer" if t >= boundary else "transformer_2", int(t)) for t in scheduler.timesteps for _ in (1, 2)]
+    assert calls == want
+    assert {name for name, _ in calls} == {"transformer", "transformer_2"}
+    req = validate_request(REQUEST, size_multiple=h.size_multiple)
+    tokens = 2 * (64 // 8 // 2) ** 2  # 5 frames -> 2 latent frames of 4 x 4 patches
+    per_pass = dit_flops(h.pipe.transformer.config, tokens, req.max_sequence_length)
+    assert h.expert_flops(req) == {name: per_pass * sum(1 for n, _ in calls if n == name)
+                                   for name in ("transformer", "transformer_2")}
+    arch = "tiny-wan2.2-i2v-a14b" if h.requires_image else "tiny-wan2.2-t2v-a14b"
+    assert h.last_run.dit_flops == h.dit_flops(req) == reference_flops(arch, height=64, width=64, num_frames=5,
+                                                                       steps=4)
+
+
+def test_the_boundary_decides_the_frames(t2v):
+    """The same boundary gives the same bytes twice; moving it from 0.875 to 0.95 (the step at timestep 923 then
+    runs on `transformer_2` too) gives other frames, again the same twice. Restored after."""
+    before = frames_of(t2v)
+    assert np.array_equal(frames_of(t2v), before)
+    try:
+        t2v.pipe.register_to_config(boundary_ratio=0.95)
+        moved = frames_of(t2v)
+        assert [n for n, _ in expert_calls(t2v)].count("transformer_2") == 4  # 923 and 800, two passes each
+        assert np.array_equal(frames_of(t2v), moved)
+    finally:
+        t2v.pipe.register_to_config(boundary_ratio=0.875)
+    assert not np.array_equal(moved, before)
+    assert np.array_equal(frames_of(t2v), before)
+
+
+def test_image_to_video_takes_the_first_frame(i2v):
+    """The I2V stand-in's output depends on the first frame (the same one twice: the same bytes); a request with
+    none is refused naming `image`."""
+    a = frames_of(i2v, first_frame(1))
+    assert np.array_equal(frames_of(i2v, first_frame(1)), a)
+    assert not np.array_equal(frames_of(i2v, first_frame(2)), a)
+    with pytest.raises(InvalidRequest, match="image-to-video") as refused:
+        frames_of(i2v)
+    assert refused.value.field == "image"
+
+
+@pytest.mark.parametrize("spec, saved", [("random:tiny-wan2.2-t2v-a14b", "t2v"),
+                                         ("random:tiny-wan2.2-i2v-a14b", "i2v")])
+def test_random_spec_builds_the_saved_stand_in(request, model_cache, spec, saved):
+    """`random:tiny-wan2.2-t2v-a14b` builds the same two experts as the saved `tiny-a14b` (and the I2V one as
+    `tiny-i2v-a14b`): the same frames."""
+    built, loaded = holder(spec, model_cache), request.getfixturevalue(saved)
+    image = first_frame(3) if loaded.requires_image else None
+    assert type(built.pipe) is type(loaded.pipe) and built.boundary_ratio == loaded.boundary_ratio
+    assert np.array_equal(frames_of(built, image), frames_of(loaded, image))
+
+
+def test_both_experts_placed_together_across_devices(model_cache):
+    """GPUS_PER_REPLICA: `transformer_2` goes where `transformer` is, behind its own hook; the frames are those of
+    one device (three 'cpu' devices here)."""
+    h = holder("tiny-a14b", model_cache)
+    plain = frames_of(h)
+    place(h.pipe, ["cpu", "cpu", "cpu"])
+    assert all(hasattr(getattr(h.pipe, m), "_hf_hook") for m in ("text_encoder", "transformer", "transformer_2", "vae"))
+    assert np.array_equal(frames_of(h), plain)
+
+
+def test_a_folder_of_another_pipeline_class_is_refused(tmp_path, model_cache):
+    """A model folder whose model_index.json names a class replicadp does not serve fails the load, naming it."""
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(ModelLoadError, match="FluxPipeline"):
+        holder(str(tmp_path), model_cache)
+
+
+def test_describe_lists_both_experts():
+    """Wan2.2-T2V-A14B on the meta device: two experts of 14,288,491,584 parameters each (the published "14B"
+    per expert; 26.6 GiB each in bf16), UMT5-xxl 5.68 B, Wan2.1's VAE 0.127 B; I2V's experts 409,600 more
+    (20 more input channels x 2 x 2 x 5120)."""
+    rows = {r["component"]: r for r in describe("wan2.2-t2v-a14b")}
+    assert list(rows) == ["text_encoder", "transformer", "transformer_2", "vae"]
+    assert rows["transformer"]["parameters"] == rows["transformer_2"]["parameters"] == 14_288_491_584
+    assert round(rows["transformer"]["bf16_bytes"] / 2**30, 1) == 26.6
+    assert round(rows["text_encoder"]["parameters"] / 1e9, 2) == 5.68
+    assert round(rows["vae"]["parameters"] / 1e9, 3) == 0.127
+    i2v = {r["component"]: r for r in describe("wan2.2-i2v-a14b")}
+    assert i2v["transformer_2"]["parameters"] - rows["transformer_2"]["parameters"] == 20 * 4 * 5120
+    assert [r["component"] for r in describe("wan2.1-t2v-14b")] == ["text_encoder", "transformer", "vae"]
+
+
+def test_describe_model_json_gives_each_experts_flops():
+    """`describe-model random:wan2.2-t2v-a14b --json -`: both experts' parameters, each expert's steps and FLOPs
+    at the reference workload (30 steps at shift 12: 19 at or above the 0.875 boundary, 11 below; 19.20 and
+    11.12 PFLOP), their sum as `dit_flops`, and the weights' fit on one 139 GiB GPU (64.3 GiB)."""
+    run = subprocess.run([sys.executable, "-c", "from client.cli import main; main()", "describe-model",
+                          "random:wan2.2-t2v-a14b", "--json", "-"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    fig = json.loads(run.stdout)
+    assert [r["component"] for r in fig["components"]] == ["text_encoder", "transformer", "transformer_2", "vae"]
+    experts = fig["experts"]
+    assert {k: e["steps"] for k, e in experts.items()} == {"transformer": 19, "transformer_2": 11}
+    assert [round(e["dit_flops"] / 1e15, 2) for e in experts.values()] == [19.20, 11.12]
+    assert fig["dit_flops"] == sum(e["dit_flops"] for e in experts.values()) == reference_flops("wan2.2-t2v-a14b")
+    assert fig["boundary_ratio"] == 0.875
+    assert fig["memory"]["fits"] and round(fig["memory"]["weights_bytes_per_gpu"][0] / 2**30, 1) == 64.3
+    assert "transformer_2: 11 steps, 11.12 PFLOP" in run.stderr and "fits" in run.stderr
