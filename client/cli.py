@@ -245,8 +245,8 @@ def submit(file, results, concurrency, timeout, save_dir, longest_first, priorit
 # generate's option for each request field, so that a value the request check refuses is a usage error naming it.
 OPTION_OF = {"prompt": "PROMPT", "negative_prompt": "--negative-prompt", "seed": "--seed", "height": "--size",
              "width": "--size", "num_frames": "--num-frames", "num_inference_steps": "--steps",
-             "guidance_scale": "--guidance", "fps": "--fps", "image": "--image", "priority": "--priority",
-             "user": "--user", "quality": "--quality"}
+             "guidance_scale": "--guidance", "guidance_scale_2": "--guidance-2", "boundary_ratio": "--boundary",
+             "fps": "--fps", "image": "--image", "priority": "--priority", "user": "--user", "quality": "--quality"}
 
 
 def image_param(ctx, param, value: str | None) -> str | None:
@@ -279,6 +279,10 @@ def image_param(ctx, param, value: str | None) -> str | None:
 @click.option("--seed", default=DEFAULTS["seed"], show_default=True)
 @click.option("--negative-prompt", default=DEFAULTS["negative_prompt"])
 @click.option("--guidance", default=DEFAULTS["guidance_scale"], show_default=True, help="Guidance scale.")
+@click.option("--guidance-2", "guidance_2", type=float,
+              help="Two-expert models (Wan2.2 A14B): the low-noise expert's guidance scale (default: --guidance).")
+@click.option("--boundary", type=float, help="Two-expert models: where the experts switch, 0 to 1 of the timesteps "
+              "(default: the model's boundary_ratio).")
 @click.option("--fps", default=DEFAULTS["fps"], show_default=True)
 @click.option("--image", callback=image_param, metavar="FILE|URL", help="First frame (image-to-video models).")
 @click.option("--priority", type=click.Choice([p.value for p in Priority]), help="Default: normal.")
@@ -288,8 +292,8 @@ def image_param(ctx, param, value: str | None) -> str | None:
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait; then it is cancelled.")
 @click.option("--json", "json_out", is_flag=True, help="Print the Result as JSON on stdout (all else on stderr).")
 @redis_url_option()
-def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, guidance, fps, image, priority, user,
-             quality, timeout, json_out):
+def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, guidance, guidance_2, boundary, fps,
+             image, priority, user, quality, timeout, json_out):
     """Generate one video on the live replicas, with a bar over its denoising steps; exit 0 once it is done."""
     from rich.console import Console
     from rich.markup import escape
@@ -301,13 +305,15 @@ def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, gui
 
     request = {"prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, "width": size[0],
                "height": size[1], "num_frames": num_frames, "num_inference_steps": steps, "guidance_scale": guidance,
-               "fps": fps, "image": image, "priority": priority, "user": user, "quality": quality}
+               "guidance_scale_2": guidance_2, "boundary_ratio": boundary, "fps": fps, "image": image,
+               "priority": priority, "user": user, "quality": quality}
     request = {k: v for k, v in request.items() if v is not None}
     accepted = live_accepted()
     try:
         # As the gateway checks: against the live replicas' size multiple and qualities (with none live, 16 and
         # any quality; the replica checks again).
-        validate_request(request, size_multiple=accepted.size_multiple, qualities=accepted.qualities)
+        validate_request(request, size_multiple=accepted.size_multiple, qualities=accepted.qualities,
+                         experts=accepted.experts)
     except InvalidRequest as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{OPTION_OF.get(exc.field, exc.field)}'") from None
     err = Console(stderr=True, soft_wrap=True)  # as progress.console: messages are not wrapped

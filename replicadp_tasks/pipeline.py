@@ -134,6 +134,11 @@ class PipelineHolder:
         return isinstance(self.pipe, WanImageToVideoPipeline)
 
     @property
+    def expert_count(self) -> int:
+        """The model's transformers: 2 for Wan2.2 A14B, which take guidance_scale_2 and boundary_ratio, else 1."""
+        return 1 if self.synthetic_s is not None else len(experts(self.pipe))
+
+    @property
     def boundary_ratio(self) -> float | None:
         """Where a two-expert model switches from `transformer` to `transformer_2`, as a share of the scheduler's
         training timesteps (the pipeline's config); None for one expert."""
@@ -253,6 +258,8 @@ class PipelineHolder:
             guidance_scale=req.guidance_scale, max_sequence_length=req.max_sequence_length,
             generator=generator, output_type="np", callback_on_step_end=callback,
         )
+        if req.guidance_scale_2 is not None:
+            kwargs["guidance_scale_2"] = req.guidance_scale_2
         self._reset_peak_memory()
         # 2. Text-to-video on the resident pipeline, or image-to-video: on the pipeline itself for an I2V model,
         #    on a view sharing its weights for TI2V.
@@ -267,13 +274,17 @@ class PipelineHolder:
 
                 self._i2v = WanImageToVideoPipeline.from_pipe(self.pipe)
             pipe, kwargs["image"] = self._i2v, image
-        # 3. The fast path: the step cache's hooks, installed for this request alone and removed at its end, also
-        #    when it fails half-way: no cache state outlives the request it was made in (step_cache.py).
+        # 3. What this request alone changes on the shared pipeline: the fast path's step cache hooks, and a
+        #    two-expert request's own boundary (diffusers reads boundary_ratio from the pipeline's config). Both are
+        #    undone at its end, also when it fails half-way: no such state outlives its request (step_cache.py).
         transformer = self.pipe.transformer  # the i2v view shares it
+        boundary = self.boundary_ratio
         if req.quality == Quality.FAST:
             transformer.enable_cache(self.cache.config(req.num_inference_steps, lambda: pipe.current_timestep))
         oom = None
         try:
+            if req.boundary_ratio is not None:
+                pipe.register_to_config(boundary_ratio=req.boundary_ratio)
             with torch.inference_mode():
                 frames = pipe(**kwargs).frames[0]
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
@@ -281,6 +292,8 @@ class PipelineHolder:
                 raise
             oom = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
+            if req.boundary_ratio is not None:
+                pipe.register_to_config(boundary_ratio=boundary)
             if req.quality == Quality.FAST:
                 transformer.disable_cache()
         if oom is not None:
@@ -308,7 +321,8 @@ class PipelineHolder:
         """Each expert's FLOPs for `req` (architectures.request_flops), over the steps it runs: for two experts,
         the steps the scheduler puts at or above the boundary go to `transformer`, the others to `transformer_2`."""
         pipe = self.pipe
-        split = expert_steps(pipe.scheduler, req.num_inference_steps, self.boundary_ratio)
+        boundary = self.boundary_ratio if req.boundary_ratio is None else req.boundary_ratio
+        split = expert_steps(pipe.scheduler, req.num_inference_steps, boundary)
         return {name: request_flops(
                     expert.config, height=req.height, width=req.width, num_frames=req.num_frames, steps=steps,
                     guidance=req.guidance_scale > 1.0, vae_spatial=pipe.vae_scale_factor_spatial,

@@ -70,6 +70,7 @@ class ReplicaInfo(TypedDict):
     device: str
     size_multiple: int
     accepts_image: bool
+    experts: int  # transformers of its model: 2 for Wan2.2 A14B (guidance_scale_2, boundary_ratio), else 1
     attention: str
     compile: str
     deterministic: bool

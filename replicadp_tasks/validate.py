@@ -33,7 +33,14 @@ DEFAULTS = {
     "image": None,
     "request_id": None,
     "quality": Quality.STANDARD,  # the exact path; "fast" runs the deployment's step cache (step_cache.py)
+    # Two-expert models only (Wan2.2 A14B): the low-noise expert's guidance (None: guidance_scale), and where the
+    # experts switch, as a share of the training timesteps (None: the model's own boundary_ratio).
+    "guidance_scale_2": None,
+    "boundary_ratio": None,
 }
+# Unset, these are left out of a request's params (and so of its identity): requests made before they existed, or
+# to one-expert models, keep their identity.
+TWO_EXPERT_FIELDS = ("guidance_scale_2", "boundary_ratio")
 # Where the request waits, not what it makes (scheduling.py): checked here, never part of its identity.
 SCHEDULING_FIELDS = ("priority", "tenant", "user")
 # How the request is told of its events (webhooks.py), not what it makes: checked here, never part of its identity.
@@ -68,11 +75,17 @@ class GenerateRequest:
     image: str | None
     request_id: str | None
     quality: Quality
+    guidance_scale_2: float | None = None
+    boundary_ratio: float | None = None
 
     def params(self, image_sha256: str | None = None) -> dict:
-        """The effective inputs as reported back: the image by its hash, not its (possibly huge) bytes."""
+        """The effective inputs as reported back: the image by its hash, not its (possibly huge) bytes; the
+        two-expert fields only where set."""
         p = asdict(self)
         del p["request_id"], p["image"]
+        for field in TWO_EXPERT_FIELDS:
+            if p[field] is None:
+                del p[field]
         p["image_sha256"] = image_sha256
         return p
 
@@ -137,14 +150,15 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
 
 def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
                      max_work: int | None = None, webhook_policy: bool = True,
-                     qualities: list[str] | None = None) -> GenerateRequest:
+                     qualities: list[str] | None = None, experts: int | None = None) -> GenerateRequest:
     """Check `generate`'s keyword arguments and return them with defaults filled in.
 
     `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
     deployment's budget for height x width x num_frames x num_inference_steps; `webhook_policy=False` checks a
     webhook's form only, not what this deployment allows (for a producer without its settings: the replica checks);
-    `qualities`: the paths the replica serves (None: any, the replica checks). Raises InvalidRequest naming the
-    first bad field.
+    `qualities`: the paths the replica serves (None: any, the replica checks); `experts`: the transformers of the
+    model (1 refuses guidance_scale_2 and boundary_ratio; None: unknown, the replica checks). Raises InvalidRequest
+    naming the first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
     if unknown:
@@ -172,6 +186,9 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     request_id = v["request_id"]
     if request_id is not None and (not isinstance(request_id, str) or not REQUEST_ID_RE.fullmatch(request_id)):
         _fail("request_id", request_id, "must be 1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit")
+    for field in TWO_EXPERT_FIELDS:
+        if v[field] is not None and experts == 1:
+            _fail(field, v[field], "this model has one expert: only two-expert models (Wan2.2 A14B) take it")
     image = v["image"]
     if image is not None and (not isinstance(image, str) or not image):
         _fail("image", image, "must be a non-empty string (a path, an http(s) URL or base64)")
@@ -190,6 +207,10 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
         image=image,
         request_id=request_id,
         quality=Quality(v["quality"]),
+        guidance_scale_2=None if v["guidance_scale_2"] is None else _float(
+            "guidance_scale_2", v["guidance_scale_2"], 0.0, MAX_GUIDANCE),
+        boundary_ratio=None if v["boundary_ratio"] is None else _float(
+            "boundary_ratio", v["boundary_ratio"], 0.0, 1.0),
     )
     work = req.height * req.width * req.num_frames * req.num_inference_steps
     if max_work is not None and work > max_work:

@@ -1,19 +1,27 @@
 """Wan2.2's two-expert A14B models: the published configs of the 14B architectures, the tiny two-expert stand-ins
 (built offline, saved and loaded with from_pretrained like the other tiny models), which expert runs which
-denoising step, the boundary, the image-to-video stand-in's first frame, and describe-model's figures per expert.
-The pipeline holder alone, real diffusers pipelines, no Celery."""
+denoising step, the boundary and the second guidance scale per request, the image-to-video stand-in's first frame,
+and describe-model's figures per expert: the pipeline holder alone (real diffusers pipelines, no Celery); then
+replicas of the stand-ins served through Python, HTTP and the CLI."""
 
+import base64
+import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from PIL import Image
+
+from conftest import run_client_on, start_replicas
+from test_http import REPLICADP, gateway, post
 
 from replicadp_tasks.architectures import ARCHITECTURES, describe, dit_flops, reference_flops
 from replicadp_tasks.errors import InvalidRequest, ModelLoadError
@@ -70,7 +78,7 @@ def first_frame(seed: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8))
 
 
-def expert_calls(h: PipelineHolder, image=None) -> list[tuple[str, int]]:
+def expert_calls(h: PipelineHolder, image=None, **fields) -> list[tuple[str, int]]:
     """(expert, timestep) of every transformer forward pass of one request, from forward hooks on both experts."""
     calls, hooks = [], []
     for name in ("transformer", "transformer_2"):
@@ -78,7 +86,7 @@ def expert_calls(h: PipelineHolder, image=None) -> list[tuple[str, int]]:
             calls.append((name, int(kwargs["timestep"].flatten()[0])))
         hooks.append(getattr(h.pipe, name).register_forward_hook(record, with_kwargs=True))
     try:
-        frames_of(h, image)
+        frames_of(h, image, **fields)
     finally:
         for hook in hooks:
             hook.remove()
@@ -137,20 +145,47 @@ def test_each_step_runs_the_expert_its_timestep_picks(request, spec):
                                                                        steps=4)
 
 
-def test_the_boundary_decides_the_frames(t2v):
-    """The same boundary gives the same bytes twice; moving it from 0.875 to 0.95 (the step at timestep 923 then
-    runs on `transformer_2` too) gives other frames, again the same twice. Restored after."""
+def test_a_requests_boundary_decides_its_frames_and_no_other(t2v):
+    """A request's boundary_ratio moves the switch for that request alone: at 0.95 the step at timestep 923 runs on
+    `transformer_2` too (4 passes there, not 2), its frames differ from the model's own boundary's (0.875) and are
+    the same twice; at 0 every step runs on `transformer`. After each, the pipeline keeps the model's boundary: a
+    request without one gives the first request's bytes again."""
     before = frames_of(t2v)
     assert np.array_equal(frames_of(t2v), before)
-    try:
-        t2v.pipe.register_to_config(boundary_ratio=0.95)
-        moved = frames_of(t2v)
-        assert [n for n, _ in expert_calls(t2v)].count("transformer_2") == 4  # 923 and 800, two passes each
-        assert np.array_equal(frames_of(t2v), moved)
-    finally:
-        t2v.pipe.register_to_config(boundary_ratio=0.875)
-    assert not np.array_equal(moved, before)
+    moved = frames_of(t2v, boundary_ratio=0.95)
+    assert [n for n, _ in expert_calls(t2v, boundary_ratio=0.95)].count("transformer_2") == 4  # 923 and 800, twice
+    assert np.array_equal(frames_of(t2v, boundary_ratio=0.95), moved) and not np.array_equal(moved, before)
+    assert {n for n, _ in expert_calls(t2v, boundary_ratio=0.0)} == {"transformer"}
+    assert t2v.boundary_ratio == 0.875
     assert np.array_equal(frames_of(t2v), before)
+
+
+def test_guidance_scale_2_guides_the_low_noise_expert(t2v):
+    """guidance_scale_2 is the low-noise expert's guidance: unset it is guidance_scale's (5.0 given explicitly:
+    the same bytes as unset), another value changes the frames."""
+    unset = frames_of(t2v)
+    assert np.array_equal(frames_of(t2v, guidance_scale_2=5.0), unset)
+    assert not np.array_equal(frames_of(t2v, guidance_scale_2=2.0), unset)
+
+
+def test_two_expert_fields_are_checked_and_refused_by_one_expert_models():
+    """guidance_scale_2 (0-20) and boundary_ratio (0-1) are validated naming the field and the value; a model of one
+    expert (experts=1) refuses each by name; unset, neither is part of a request's params (the identity of a
+    request that does not use them is what it was before they existed), set, both are."""
+    for field, bad in (("guidance_scale_2", -1), ("guidance_scale_2", 20.5), ("guidance_scale_2", "2"),
+                       ("guidance_scale_2", float("nan")), ("boundary_ratio", -0.1), ("boundary_ratio", 1.5),
+                       ("boundary_ratio", True)):
+        with pytest.raises(InvalidRequest) as refused:
+            validate_request({**REQUEST, field: bad}, experts=2)
+        assert refused.value.field == field and f"{field}=" in str(refused.value)
+    for field in ("guidance_scale_2", "boundary_ratio"):
+        with pytest.raises(InvalidRequest, match="this model has one expert") as refused:
+            validate_request({**REQUEST, field: 0.5}, experts=1)
+        assert refused.value.field == field
+    plain = validate_request(REQUEST, experts=1).params()
+    assert not {"guidance_scale_2", "boundary_ratio"} & set(plain)
+    both = validate_request({**REQUEST, "guidance_scale_2": 3, "boundary_ratio": 0.5}, experts=None).params()
+    assert (both["guidance_scale_2"], both["boundary_ratio"]) == (3.0, 0.5)
 
 
 def test_image_to_video_takes_the_first_frame(i2v):
@@ -223,3 +258,79 @@ def test_describe_model_json_gives_each_experts_flops():
     assert fig["boundary_ratio"] == 0.875
     assert fig["memory"]["fits"] and round(fig["memory"]["weights_bytes_per_gpu"][0] / 2**30, 1) == 64.3
     assert "transformer_2: 11 steps, 11.12 PFLOP" in run.stderr and "fits" in run.stderr
+
+
+# --- served: replicas of the stand-ins, through Python, HTTP and the CLI ------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(redis_db, model_cache):
+    """A replica of each stand-in, each on a database of its own: `tiny-a14b` (T2V) and `tiny-i2v-a14b` (I2V)."""
+    urls = SimpleNamespace(t2v=redis_db(), i2v=redis_db())
+    groups = [start_replicas(1, urls.t2v, "a14b", model="tiny-a14b"),
+              start_replicas(1, urls.i2v, "i2v-a14b", model="tiny-i2v-a14b")]
+    try:
+        yield urls
+    finally:
+        for group in groups:
+            group.stop()
+
+
+@pytest.mark.cluster
+def test_a14b_replicas_serve_the_two_expert_fields_through_python_http_and_the_cli(served):
+    """A tiny-a14b replica serves guidance_scale_2 and boundary_ratio from generate's kwargs (Python), the HTTP
+    form and `replicadp generate --guidance-2 --boundary`: each reported in the Result's params; the same inputs
+    give the same video by every route, other fields another one; the gateway refuses a boundary_ratio out of
+    range (400 naming it)."""
+    two = {"guidance_scale_2": 2.0, "boundary_ratio": 0.5}
+    python = run_client_on(served.t2v, [{**REQUEST, **two}, REQUEST], concurrency=2)
+    assert all(o.ok for o in python), [o.error for o in python]
+    assert {k: python[0].result["params"][k] for k in two} == two
+    assert not set(two) & set(python[1].result["params"])
+    assert python[0].result["video_sha256"] != python[1].result["video_sha256"]
+    form = {"prompt": REQUEST["prompt"], "seed": "3", "size": "64x64", "num_frames": "5", "num_inference_steps": "4",
+            "guidance_scale_2": "2", "boundary_ratio": "0.5"}
+    with gateway(served.t2v, "a14b") as gw:
+        answer = post(gw, "/v1/videos/sync", form)
+        assert answer.status_code == 200, answer.text
+        assert hashlib.sha256(answer.content).hexdigest() == python[0].result["video_sha256"]
+        refused = post(gw, "/v1/videos/sync", {**form, "boundary_ratio": "1.5"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "boundary_ratio", refused.text
+    run = subprocess.run([REPLICADP, "generate", REQUEST["prompt"], "--seed", "3", "--size", "64x64", "--num-frames",
+                          "5", "--steps", "4", "--guidance-2", "2", "--boundary", "0.5", "--json"],
+                         env={**os.environ, "REDIS_URL": served.t2v}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert {k: result["params"][k] for k in two} == two and result["video_sha256"] == python[0].result["video_sha256"]
+
+
+@pytest.mark.cluster
+def test_an_i2v_a14b_replica_wants_its_first_frame(served):
+    """A tiny-i2v-a14b replica refuses a request without an image, naming `image`, and serves one with a first
+    frame (base64 PNG), whose identity carries the image's hash."""
+    png = base64.b64encode(first_frame_png()).decode()
+    without, with_image = run_client_on(served.i2v, [REQUEST, {**REQUEST, "image": png}], concurrency=2)
+    assert not without.ok and without.error.startswith("InvalidRequest: image: model 'tiny-i2v-a14b' is "
+                                                       "image-to-video"), without.error
+    assert with_image.ok, with_image.error
+    assert with_image.result["params"]["image_sha256"]
+
+
+@pytest.mark.cluster
+def test_one_expert_replicas_refuse_the_two_expert_fields_by_name(replicas, redis_server):
+    """Before anything is queued, in front of the session's one-expert replicas (tiny): the gateway answers 400
+    naming boundary_ratio, and `replicadp generate --guidance-2` is a usage error naming its option (exit 2)."""
+    form = {"prompt": "x", "size": "64x64", "num_frames": "5", "num_inference_steps": "2"}
+    with gateway(redis_server.url, "one-expert") as gw:
+        refused = post(gw, "/v1/videos", {**form, "boundary_ratio": "0.5"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "boundary_ratio", refused.text
+    assert "this model has one expert" in refused.json()["error"]["message"]
+    run = subprocess.run([REPLICADP, "generate", "x", "--size", "64x64", "--num-frames", "5", "--steps", "2",
+                          "--guidance-2", "2"], env={**os.environ, "REDIS_URL": redis_server.url},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--guidance-2" in run.stderr and "one expert" in run.stderr, run.stderr
+
+
+def first_frame_png() -> bytes:
+    buf = io.BytesIO()
+    first_frame(4).save(buf, format="PNG")
+    return buf.getvalue()

@@ -20,7 +20,7 @@ from replicadp_tasks import app
 from replicadp_tasks.errors import ImageInputError
 from replicadp_tasks.images import load_first_frame
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.validate import FIELDS
+from replicadp_tasks.validate import FIELDS, TWO_EXPERT_FIELDS
 
 SMALL = {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
 
@@ -176,6 +176,8 @@ MISTAKES = {
     "num_frames": st.sampled_from([0, 4, 2000, 9.0]),
     "num_inference_steps": st.sampled_from([0, -1, 201, True]),
     "guidance_scale": st.sampled_from([-0.1, 20.5, float("nan"), float("inf")]),
+    "guidance_scale_2": st.sampled_from([-0.1, 20.5, float("nan"), "4"]),
+    "boundary_ratio": st.sampled_from([-0.1, 1.5, True, "0.5"]),
     "fps": st.sampled_from([0, 121, "24"]),
     "max_sequence_length": st.sampled_from([0, 513]),
     "image": st.sampled_from(["/etc/passwd", "file:///etc/passwd", "http://127.0.0.1:1/x.png", "", "Zm9v",
@@ -192,8 +194,10 @@ MISTAKES = {
 SIZE_FIELDS = ("prompt", "height", "width", "num_frames", "num_inference_steps")
 DROP = object()  # a mutation that removes the field
 # A small valid request, then 0-2 of its fields turned into a mistake, junk or nothing, and rarely an unknown key.
+# The two-expert fields come only as mutations: the session's replicas serve a one-expert model (tiny), which
+# refuses them whatever their value, and that refusal would hide the other fields' checks.
 BASE = st.fixed_dictionaries({f: VALID[f] for f in SIZE_FIELDS},
-                             optional={f: VALID[f] for f in FIELDS if f not in SIZE_FIELDS})
+                             optional={f: VALID[f] for f in FIELDS if f not in SIZE_FIELDS + TWO_EXPERT_FIELDS})
 MUTATION = st.sampled_from(FIELDS).flatmap(lambda f: st.tuples(st.just(f), st.one_of(MISTAKES[f], JUNK, st.just(DROP))))
 EXTRA = st.one_of(st.just({}), st.just({}), st.just({}),
                   st.dictionaries(st.sampled_from(["steps", "size", "__class__", "prompt\x00"]), JUNK, max_size=1))

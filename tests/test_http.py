@@ -457,7 +457,8 @@ def test_schemathesis_finds_no_500(closed):
 
 
 # vllm-omni's form fields (docs/serving/videos_api.md) this gateway accepts, and those it refuses on purpose
-# (docs/http.md, "Differences from vllm-omni"): each would change the video, and Wan2.2-TI2V-5B has no use for it.
+# (docs/http.md, "Differences from vllm-omni"): each would change the video, and Wan2.2-TI2V-5B has no use for it
+# (guidance_scale_2 and boundary_ratio are for two-expert models: tests/test_experts.py).
 VLLM_OMNI_REFUSED = {"guidance_scale_2": "4.0", "boundary_ratio": "0.875", "flow_shift": "5.0",
                      "lora": '{"name": "x"}', "extra_params": "{}",
                      "image_reference": '{"image_url": "https://example.com/frame.png"}'}

@@ -28,6 +28,8 @@ class VideoForm:
     fps: int | None
     num_inference_steps: int | None
     guidance_scale: float | None
+    guidance_scale_2: float | None
+    boundary_ratio: float | None
     seed: int | None
     negative_prompt: str | None
     model: str | None
@@ -51,6 +53,10 @@ async def video_form(
     fps: Annotated[int | None, Form(description="Frame rate of the MP4 (default 24).")] = None,
     num_inference_steps: Annotated[int | None, Form()] = None,
     guidance_scale: Annotated[float | None, Form()] = None,
+    guidance_scale_2: Annotated[float | None, Form(description="Two-expert models (Wan2.2 A14B): the low-noise "
+                                                               "expert's guidance (default: guidance_scale).")] = None,
+    boundary_ratio: Annotated[float | None, Form(description="Two-expert models: where the experts switch, 0 to 1 "
+                                                             "of the timesteps (default: the model's).")] = None,
     seed: Annotated[int | None, Form()] = None,
     negative_prompt: Annotated[str | None, Form()] = None,
     model: Annotated[str | None, Form(description="Must be the served model, if given.")] = None,
@@ -67,7 +73,7 @@ async def video_form(
                                                            "failed (default: completed,failed).")] = None,
 ) -> VideoForm:
     """The form as a FastAPI dependency (its parameters are the OpenAPI form schema)."""
-    # A field this gateway does not know (vllm-omni's flow_shift, boundary_ratio, lora...) would be silently
+    # A field this gateway does not know (vllm-omni's flow_shift, lora...) would be silently
     # ignored, giving another video than the one asked for: refuse it, as generate refuses unknown arguments.
     counts = Counter(name for name, _ in (await request.form()).multi_items())
     unknown = sorted(set(counts) - set(FORM_FIELDS))
@@ -90,7 +96,8 @@ async def video_form(
                                param="input_reference")
         image = base64.b64encode(data).decode()
     return VideoForm(prompt=prompt, size=size, width=width, height=height, num_frames=num_frames, seconds=seconds,
-                     fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
+                     fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                     guidance_scale_2=guidance_scale_2, boundary_ratio=boundary_ratio, seed=seed,
                      negative_prompt=negative_prompt, model=model, image=image, user=user, priority=priority,
                      quality=quality, webhook_url=webhook_url, webhook_events=webhook_events)
 
@@ -131,7 +138,8 @@ def generate_kwargs(form: VideoForm) -> dict:
                                     value=form.seconds)
     kwargs = {"prompt": form.prompt, "negative_prompt": form.negative_prompt, "seed": form.seed, "height": height,
               "width": width, "num_frames": num_frames, "num_inference_steps": form.num_inference_steps,
-              "guidance_scale": form.guidance_scale, "fps": form.fps, "image": form.image, "user": form.user,
+              "guidance_scale": form.guidance_scale, "guidance_scale_2": form.guidance_scale_2,
+              "boundary_ratio": form.boundary_ratio, "fps": form.fps, "image": form.image, "user": form.user,
               "priority": form.priority, "quality": form.quality, "webhook": form.webhook_url,
               "webhook_events": [e.strip() for e in form.webhook_events.split(",")]
               if form.webhook_events is not None else None}

@@ -162,7 +162,7 @@ class Gateway:
             # as long as the resolver does.
             req = await asyncio.to_thread(validate_request, kwargs, size_multiple=accepted.size_multiple,
                                           max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
-                                          qualities=accepted.qualities)
+                                          qualities=accepted.qualities, experts=accepted.experts)
         except InvalidRequest as exc:
             raise invalid(exc) from None
         asked = check_priority(kwargs.get("priority"))

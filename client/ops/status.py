@@ -44,6 +44,7 @@ class Accepted:
 
     size_multiple: int = 16  # Wan's smallest, while no replica says what its model needs
     qualities: list[str] | None = None
+    experts: int | None = None  # the fewest transformers of their models: 1 refuses the two-expert fields
 
 
 def accepted_by(infos: list[dict]) -> Accepted:
@@ -51,7 +52,8 @@ def accepted_by(infos: list[dict]) -> Accepted:
     if not infos:
         return Accepted()
     served = set.intersection(*(set(i.get("qualities") or [Quality.STANDARD]) for i in infos))
-    return Accepted(max(int(i.get("size_multiple") or 16) for i in infos), sorted(served, reverse=True))
+    return Accepted(max(int(i.get("size_multiple") or 16) for i in infos), sorted(served, reverse=True),
+                    min(int(i.get("experts") or 1) for i in infos))
 
 
 def live_accepted(timeout: float = 1.0) -> Accepted:
