@@ -19,6 +19,7 @@ from client.api import _app_for, live_replicas
 from conftest import run_client_on, start_replicas
 from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
                      wait_for_step)
+from replicadp_tasks.architectures import ARCHITECTURES, build_scheduler, expert_steps
 from replicadp_tasks.errors import PoisonRequest
 from replicadp_tasks.keys import (ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, HOLDERS_KEY, PARKED, REPLICA_KEY, STATS_KEY,
                                  FenceToken)
@@ -337,6 +338,31 @@ def test_result_computed_during_a_long_redis_outage_is_kept(tmp_path):
         server.stop()
     assert sorted(v["params"]["seed"] for v in values) == [0, 1]
     assert {v["replica"] for v in values} == set(group.names) and duplicates == 0
+
+
+def test_a_replica_killed_after_the_expert_switch_completes_the_request_once(redis_db, tmp_path):
+    """Two tiny-a14b replicas (two experts): the pool child running a request is SIGKILLed once the request is past
+    the switch, on the low-noise expert (`transformer_2`). The request goes back to the queue, completes once (one
+    Result, two starts), and its video is the same bytes as the same input's run without a kill. Its length is
+    set from warm-ups measured on these replicas, so that the low-noise steps last seconds on any machine."""
+    url = redis_db()
+    group = start_replicas(2, url, "a14b-kill", model="tiny-a14b", OUTPUT_DIR=str(tmp_path))
+    app = SimpleNamespace(app=_app_for(url))
+    try:
+        request = {"prompt": "through the switch", "seed": 8,
+                   **tiny_request_lasting(6, lambda r: run_client_on(url, [r], concurrency=1)[0].result)}
+        high, _ = expert_steps(build_scheduler(ARCHITECTURES["tiny-wan2.2-t2v-a14b"]), request["num_inference_steps"],
+                               0.875)
+        result = send(app, request)
+        info = wait_for_step(app, result.id, high + 1)  # its first step on transformer_2
+        os.kill(info["pid"], signal.SIGKILL)
+        killed = result.get(timeout=120)
+        plain = run_client_on(url, [{**request, "request_id": "without-a-kill"}], concurrency=1)[0]
+        attempts = int(redis.Redis.from_url(url).get(ATTEMPTS_KEY + result.id))
+    finally:
+        group.stop()
+    assert plain.ok, plain.error
+    assert attempts == 2 and killed["video_sha256"] == plain.result["video_sha256"]
 
 
 def children_of(pid: int) -> set[int]:
