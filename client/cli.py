@@ -313,7 +313,7 @@ def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, gui
         # As the gateway checks: against the live replicas' size multiple and qualities (with none live, 16 and
         # any quality; the replica checks again).
         validate_request(request, size_multiple=accepted.size_multiple, qualities=accepted.qualities,
-                         experts=accepted.experts)
+                         experts=accepted.experts, requires_image=accepted.requires_image)
     except InvalidRequest as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{OPTION_OF.get(exc.field, exc.field)}'") from None
     err = Console(stderr=True, soft_wrap=True)  # as progress.console: messages are not wrapped

@@ -109,7 +109,8 @@ def read_batch(path: Path, defaults: dict | None = None, accepted: Accepted = Ac
         try:
             # The replica checks again, and what its deployment allows a webhook.
             validate_request(kwargs, size_multiple=accepted.size_multiple, qualities=accepted.qualities,
-                             experts=accepted.experts, webhook_policy=False)
+                             experts=accepted.experts, requires_image=accepted.requires_image,
+                             webhook_policy=False)
         except InvalidRequest as exc:
             errors.append(f"line {n}: {exc}")
             continue

@@ -70,6 +70,7 @@ class ReplicaInfo(TypedDict):
     device: str
     size_multiple: int
     accepts_image: bool
+    requires_image: bool  # an image-to-video model (Wan2.2-I2V-A14B): a request without `image` is refused
     experts: int  # transformers of its model: 2 for Wan2.2 A14B (guidance_scale_2, boundary_ratio), else 1
     attention: str
     compile: str

@@ -90,10 +90,9 @@ class Delivery:
         pipeline = child.current().pipeline
         req = validate_request(kwargs, size_multiple=pipeline.size_multiple,
                                max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
-                               qualities=pipeline.qualities, experts=pipeline.expert_count)
+                               qualities=pipeline.qualities, experts=pipeline.expert_count,
+                               requires_image=pipeline.requires_image)
         image, image_sha256 = None, None
-        if req.image is None and pipeline.requires_image:
-            raise InvalidRequest.of("image", f"model {SETTINGS.model!r} is image-to-video and needs a first frame")
         if req.image is not None:
             if not pipeline.accepts_image:
                 raise InvalidRequest.of("image", f"model {SETTINGS.model!r} is text-to-video only and takes no "

@@ -150,15 +150,16 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
 
 def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
                      max_work: int | None = None, webhook_policy: bool = True,
-                     qualities: list[str] | None = None, experts: int | None = None) -> GenerateRequest:
+                     qualities: list[str] | None = None, experts: int | None = None,
+                     requires_image: bool = False) -> GenerateRequest:
     """Check `generate`'s keyword arguments and return them with defaults filled in.
 
     `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
     deployment's budget for height x width x num_frames x num_inference_steps; `webhook_policy=False` checks a
     webhook's form only, not what this deployment allows (for a producer without its settings: the replica checks);
     `qualities`: the paths the replica serves (None: any, the replica checks); `experts`: the transformers of the
-    model (1 refuses guidance_scale_2 and boundary_ratio; None: unknown, the replica checks). Raises InvalidRequest
-    naming the first bad field.
+    model (1 refuses guidance_scale_2 and boundary_ratio; None: unknown, the replica checks); `requires_image`: an
+    image-to-video model, which refuses a request without `image`. Raises InvalidRequest naming the first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
     if unknown:
@@ -192,6 +193,8 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     image = v["image"]
     if image is not None and (not isinstance(image, str) or not image):
         _fail("image", image, "must be a non-empty string (a path, an http(s) URL or base64)")
+    if image is None and requires_image:
+        raise InvalidRequest.of("image", "this model is image-to-video and needs a first frame")
 
     req = GenerateRequest(
         prompt=_text("prompt", v["prompt"], max_prompt_chars, required=True),

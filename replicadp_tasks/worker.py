@@ -289,7 +289,7 @@ def _load_then_consume(**_):
     threading.Thread(target=fences.run, name="replicadp-fence", daemon=True).start()
     info = ReplicaInfo(name=name, model=SETTINGS.model, device=describe_device(pipeline.device),
                        size_multiple=pipeline.size_multiple, accepts_image=pipeline.accepts_image,
-                       experts=pipeline.expert_count,
+                       requires_image=pipeline.requires_image, experts=pipeline.expert_count,
                        attention=SETTINGS.attention, compile=SETTINGS.compile, deterministic=SETTINGS.deterministic,
                        qualities=pipeline.qualities, cache=str(pipeline.cache), quantize=SETTINGS.quantize,
                        pid=os.getpid(), load_s=round(time.time() - started, 3), loaded_at=time.time())

@@ -306,13 +306,21 @@ def test_a14b_replicas_serve_the_two_expert_fields_through_python_http_and_the_c
 @pytest.mark.cluster
 def test_an_i2v_a14b_replica_wants_its_first_frame(served):
     """A tiny-i2v-a14b replica refuses a request without an image, naming `image`, and serves one with a first
-    frame (base64 PNG), whose identity carries the image's hash."""
+    frame (base64 PNG), whose identity carries the image's hash. In front of it, the gateway (400 naming its form
+    field, input_reference) and `replicadp generate` (exit 2, naming --image) refuse an image-less request before
+    it is queued."""
     png = base64.b64encode(first_frame_png()).decode()
     without, with_image = run_client_on(served.i2v, [REQUEST, {**REQUEST, "image": png}], concurrency=2)
-    assert not without.ok and without.error.startswith("InvalidRequest: image: model 'tiny-i2v-a14b' is "
-                                                       "image-to-video"), without.error
+    assert not without.ok and without.error == ("InvalidRequest: image: this model is image-to-video and needs a "
+                                                "first frame"), without.error
     assert with_image.ok, with_image.error
     assert with_image.result["params"]["image_sha256"]
+    with gateway(served.i2v, "i2v-a14b") as gw:
+        refused = post(gw, "/v1/videos", {"prompt": "x", "size": "64x64", "num_frames": "5"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_reference", refused.text
+    run = subprocess.run([REPLICADP, "generate", "x", "--size", "64x64", "--num-frames", "5", "--steps", "2"],
+                         env={**os.environ, "REDIS_URL": served.i2v}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--image" in run.stderr and "image-to-video" in run.stderr, run.stderr
 
 
 @pytest.mark.cluster

@@ -45,6 +45,7 @@ class Accepted:
     size_multiple: int = 16  # Wan's smallest, while no replica says what its model needs
     qualities: list[str] | None = None
     experts: int | None = None  # the fewest transformers of their models: 1 refuses the two-expert fields
+    requires_image: bool = False  # some serve an image-to-video model: a request without `image` may not land there
 
 
 def accepted_by(infos: list[dict]) -> Accepted:
@@ -53,7 +54,7 @@ def accepted_by(infos: list[dict]) -> Accepted:
         return Accepted()
     served = set.intersection(*(set(i.get("qualities") or [Quality.STANDARD]) for i in infos))
     return Accepted(max(int(i.get("size_multiple") or 16) for i in infos), sorted(served, reverse=True),
-                    min(int(i.get("experts") or 1) for i in infos))
+                    min(int(i.get("experts") or 1) for i in infos), any(i.get("requires_image") for i in infos))
 
 
 def live_accepted(timeout: float = 1.0) -> Accepted:
