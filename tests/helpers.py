@@ -98,3 +98,20 @@ def tiny_request_lasting(seconds: float, run) -> dict:
             return {**shape, "num_inference_steps": max(steps, WARM_UP_STEPS)}
     raise RuntimeError(f"the tiny model denoises {TINY_SHAPES[-1]} in {timings['dit_s']:.3f} s per "
                        f"{WARM_UP_STEPS} steps: {MAX_STEPS} steps of it are shorter than {seconds} s")
+
+
+def served_by_each(names, request: dict, batches: int = 10) -> None:
+    """Every replica in `names` serves `request` (this process's Redis): batches of 4 copies at once (seeds 0, 1,
+    ...), all succeeding, until each replica has served one. Which replica takes a request is up to timing (one
+    may take a whole batch): one that serves none of `batches` batches is not serving."""
+    from client.api import run_requests
+
+    seen = set()
+    for batch in range(batches):
+        outcomes = list(run_requests([{**request, "seed": 4 * batch + s} for s in range(4)], concurrency=4,
+                                     timeout=60))
+        assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+        seen |= {o.result["replica"] for o in outcomes}
+        if seen >= set(names):
+            return
+    raise AssertionError(f"{sorted(set(names) - seen)} served none of {4 * batches} requests")

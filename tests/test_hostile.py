@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from helpers import served_by_each
 
 from client.api import live_replicas, run_requests
 from replicadp_tasks import app
@@ -62,10 +63,7 @@ def test_pickled_message_is_refused_unread_and_replicas_keep_serving(replicas, t
                          declare=[app.amqp.queues[SETTINGS.queue]],
                          headers={"lang": "py", "task": "replicadp.generate", "id": str(uuid.uuid4()),
                                   "root_id": None, "parent_id": None, "group": None, "argsrepr": "", "kwargsrepr": ""})
-    outcomes = list(run_requests([{"prompt": "after the pickle", "seed": s, **SMALL} for s in range(4)],
-                                 concurrency=4, timeout=60))
-    assert all(o.ok for o in outcomes)
-    assert {o.result["replica"] for o in outcomes} == set(replicas.names)
+    served_by_each(replicas.names, {"prompt": "after the pickle", **SMALL})
     assert not marker.exists()
 
 
@@ -244,8 +242,6 @@ def test_any_arguments_succeed_or_fail_naming_a_field(replicas, batch):
 def test_replicas_still_serve_after_the_hostile_input(replicas):
     """After everything above, both replicas are live and serve valid requests."""
     assert set(live_replicas()) == set(replicas.names)
-    outcomes = list(run_requests([{"prompt": "still here", "seed": s, **SMALL} for s in range(4)], concurrency=4,
-                                 timeout=60))
-    assert all(o.ok for o in outcomes) and {o.result["replica"] for o in outcomes} == set(replicas.names)
+    served_by_each(replicas.names, {"prompt": "still here", **SMALL})
     if TALLY:
         print("\nhypothesis outcomes:", dict(sorted(TALLY.items())), "total", sum(TALLY.values()))
