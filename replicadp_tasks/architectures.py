@@ -319,7 +319,7 @@ def reference_expert_flops(name: str, *, height: int = DEFAULTS["height"], width
     """Each expert of architecture `name`: the steps it runs and its `request_flops`, by default for the
     reference request (guidance on). `{"transformer": {"steps": ..., "dit_flops": ...}, ...}`."""
     arch = architecture(name)
-    split = (steps,) if arch.boundary_ratio is None else expert_steps(build_scheduler(arch), steps, arch.boundary_ratio)
+    split = expert_steps(build_scheduler(arch), steps, arch.boundary_ratio)  # (steps, 0) for one expert
     return {expert: {"steps": n, "dit_flops": request_flops(
                 arch.transformer, height=height, width=width, num_frames=num_frames, steps=n, guidance=True,
                 vae_spatial=arch.vae.get("scale_factor_spatial", 8),

@@ -30,6 +30,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODEL=${MODEL:-random:wan2.2-ti2v-5b}
 REQUESTS=${REQUESTS:-8}
 FAST_REQUESTS=${FAST_REQUESTS:-$(( REQUESTS < 4 ? REQUESTS : 4 ))}  # the run without deterministic kernels
+CACHE_REQUESTS=${CACHE_REQUESTS:-1}  # per path, in the step-cache step
 DEVICE=${DEVICE:-0}  # the GPU both runs use, or cpu
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
@@ -102,10 +103,10 @@ replicadp "${BENCH[@]}" --concurrency 2 --warmup 2 --label "2 replicas, one GPU"
 replicadp down
 
 # 5. Step caches against the exact path, in one process (the replicas are down: the GPU is this step's alone).
-if (( ${CACHE_REQUESTS:-1} > 0 )); then
+if (( CACHE_REQUESTS > 0 )); then
   phase "step caches"
   if ! timeout "${CACHE_TIMEOUT:-180}" python3 bench/step_cache.py --model "$MODEL" --size "$SIZE" --frames "$FRAMES" \
-      --steps "$STEPS" --requests "${CACHE_REQUESTS:-1}" --out "$OUT/step-cache.json"; then
+      --steps "$STEPS" --requests "$CACHE_REQUESTS" --out "$OUT/step-cache.json"; then
     echo "gpu_check: the step-cache step failed or ran past ${CACHE_TIMEOUT:-180} s (above)" >&2
     status=1
   fi
