@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import os
 
-# Read by the native libraries when they start: set before torch is imported. A value already set wins.
+# Read by the native libraries when they start: set before torch is imported. A value already set wins; an empty
+# one counts as unset.
 ENVIRONMENT = {"MKL_CBWR": "AUTO,STRICT", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def set_environment() -> None:
     """Before the first `import torch` of the process: the libraries' reproducibility switches."""
     for name, value in ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+        if not os.environ.get(name):
+            os.environ[name] = value
 
 
 def set_torch() -> None:

@@ -20,8 +20,12 @@ from typing import Callable
 import numpy as np
 
 from . import determinism, hub
-from .architectures import ARCHITECTURES, architecture, build_pipeline, expert_steps, request_flops
+from .architectures import (ARCHITECTURES, architecture, build_components, build_pipeline, build_tokenizer,
+                            expert_steps, request_flops)
 from .errors import InvalidRequest, ModelLoadError, OutOfMemory
+from .memory import Offload, models_of, shortfall
+from .memory import apply as apply_offload
+from .memory import check as check_memory
 from .quantization import Quantize, quantize
 from .step_cache import CacheMethod, Quality, StepCache
 from .validate import REFERENCE_WORK, GenerateRequest
@@ -94,7 +98,8 @@ class PipelineHolder:
 
     def __init__(self, spec: str, *, model_cache: Path, threads: int = 1, vae_tiling: bool = False,
                  attention: str = "native", compile: str = "none", deterministic: bool = True,
-                 cache: StepCache = StepCache(CacheMethod.NONE), quantize: Quantize = Quantize.NONE):
+                 cache: StepCache = StepCache(CacheMethod.NONE), quantize: Quantize = Quantize.NONE,
+                 offload: Offload = Offload.NONE, memory_gib: float | None = None):
         self.spec = spec
         self.model_cache = model_cache
         self.threads = threads
@@ -104,6 +109,8 @@ class PipelineHolder:
         self.deterministic = deterministic
         self.cache = cache
         self.quantize = quantize
+        self.offload = offload
+        self.memory_gib = memory_gib
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
@@ -188,17 +195,22 @@ class PipelineHolder:
         else:
             self.devices, self.device, dtype = ["cpu"], "cpu", torch.float32
             torch.set_num_threads(self.threads)
-        # 2. Random weights built on the GPU (`random:ARCH`), or from_pretrained: the same path for a hub model,
-        #    a local folder and `tiny` (built into the model cache on first use).
+        # 2. The memory option checked against what each device has, before any weight reaches a GPU: from the
+        #    random architecture's meta build, or the checkpoint loaded into CPU memory (from_pretrained: the same
+        #    path for a hub model, a local folder and `tiny`, built into the model cache on first use).
         try:
             if self.spec.startswith(RANDOM_PREFIX):
                 name = self.spec[len(RANDOM_PREFIX):]
-                architecture(name)  # an unknown one: ValueError naming the choices
+                arch = architecture(name)  # an unknown one: ValueError naming the choices
                 if self.device == "cpu" and not name.startswith("tiny-"):
                     tiny = ", ".join(f"random:{n}" for n in ARCHITECTURES if n.startswith("tiny-"))
                     raise ValueError(f"a full-size architecture is built on a GPU, and this replica has none "
                                      f"(on a CPU, use one of {tiny})")
-                pipe = build_pipeline(name, device=self.devices[0], dtype=dtype)
+                with torch.device("meta"):
+                    fits_whole = self._check_memory(build_components(arch, build_tokenizer(), dtype))
+                # Built directly on the GPU (minutes faster than on the CPU) where it fits whole.
+                on_gpu = self.offload == Offload.NONE or fits_whole
+                pipe = build_pipeline(name, device=self.devices[0] if on_gpu else "cpu", dtype=dtype)
             else:
                 source = resolve_model(self.spec, self.model_cache)
                 # The folder's class: an I2V A14B model is a WanImageToVideoPipeline. Both load `transformer_2`
@@ -206,9 +218,18 @@ class PipelineHolder:
                 cls = pipeline_class(source)
                 vae = AutoencoderKLWan.from_pretrained(source, subfolder="vae", dtype=torch.float32)
                 pipe = cls.from_pretrained(source, vae=vae, dtype=dtype)
+                self._check_memory(models_of(pipe))
         except (OSError, ValueError, EnvironmentError) as exc:
             raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load: {exc}") from exc
-        place(pipe, self.devices)
+        if self.cache.method == CacheMethod.MAG and len(experts(pipe)) > 1:
+            # calibrate-mag measures one transformer's residuals at every step; an expert runs only some of them.
+            raise ModelLoadError(f"REPLICADP_CACHE={self.cache.method}: MagCache's ratios are calibrated on one "
+                                 f"transformer, and {self.spec!r} has two experts; choose one of "
+                                 f"{', '.join(m for m in CacheMethod if m not in (CacheMethod.NONE, CacheMethod.MAG))}")
+        if self.offload == Offload.NONE:
+            place(pipe, self.devices)
+        else:
+            apply_offload(pipe, self.offload, self.devices[0])
         # 3. Fidelity for speed, for every request: an FP8 transformer (REPLICADP_QUANTIZE), before it is compiled.
         #    The step cache is the other such option, installed per fast request (generate).
         quantize(pipe, self.quantize, self.device, self.devices)
@@ -222,11 +243,42 @@ class PipelineHolder:
                 expert.compile_repeated_blocks(fullgraph=True)
             elif self.compile == "full":
                 expert.compile(fullgraph=True)
-        # 5. Options that trade speed for memory.
+        # 5. Options that trade speed for memory (the weights' place is step 2's).
         if self.vae_tiling:
             pipe.vae.enable_tiling()
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
+
+    def _device_memory(self) -> tuple[list[int | None], str]:
+        """Each device's memory for the weights, and where the figure comes from: a GPU's free memory at load, or
+        REPLICADP_DEVICE_MEMORY_GIB where that is lower (the allocator is then held to it); a CPU's: the setting
+        alone (None: not checked)."""
+        import torch
+
+        cap = None if self.memory_gib is None else int(self.memory_gib * 2**30)
+        if self.device != "cuda":
+            return [cap], f"REPLICADP_DEVICE_MEMORY_GIB={self.memory_gib:g}" if cap is not None else "not checked"
+        free = [torch.cuda.mem_get_info(d)[0] for d in self.devices]
+        if cap is None or cap >= min(free):
+            return free, "free at load"
+        for d in self.devices:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.mem_get_info(d)[1]), d)
+        return [cap] * len(self.devices), f"REPLICADP_DEVICE_MEMORY_GIB={self.memory_gib:g}"
+
+    def _check_memory(self, models: dict) -> bool:
+        """ModelLoadError naming REPLICADP_OFFLOAD, the need and the device's memory where the option does not fit
+        (memory.py), or where it cannot be combined with this deployment's other choices. Returns whether every
+        model would fit resident as well."""
+        for setting, value, default in (("REPLICADP_QUANTIZE", self.quantize, Quantize.NONE),
+                                        ("REPLICADP_COMPILE", self.compile, "none")):
+            if self.offload != Offload.NONE and value != default:
+                # Neither has run on offloaded weights (torchao quantizes and compile traces modules in place).
+                raise ModelLoadError(f"REPLICADP_OFFLOAD={self.offload} cannot be combined with {setting}={value}: "
+                                     "not supported yet; choose one of them")
+        have, limit = self._device_memory()
+        where = placement(list(models), len(self.devices))
+        check_memory(models, self.offload, self.devices, have, where, streamed=self.device == "cuda", limit=limit)
+        return shortfall(models, Offload.NONE, self.devices, have, where, streamed=False) is None
 
     def generate(self, req: GenerateRequest, image=None,
                  on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -273,14 +325,15 @@ class PipelineHolder:
                 from diffusers import WanImageToVideoPipeline
 
                 self._i2v = WanImageToVideoPipeline.from_pipe(self.pipe)
+                self._i2v.set_progress_bar_config(disable=True)  # from_pipe does not carry it over
             pipe, kwargs["image"] = self._i2v, image
         # 3. What this request alone changes on the shared pipeline: the fast path's step cache hooks, and a
         #    two-expert request's own boundary (diffusers reads boundary_ratio from the pipeline's config). Both are
         #    undone at its end, also when it fails half-way: no such state outlives its request (step_cache.py).
-        transformer = self.pipe.transformer  # the i2v view shares it
         boundary = self.boundary_ratio
-        if req.quality == Quality.FAST:
-            transformer.enable_cache(self.cache.config(req.num_inference_steps, lambda: pipe.current_timestep))
+        if req.quality == Quality.FAST:  # on each expert, with state of its own (the i2v view shares them)
+            for expert in experts(self.pipe):
+                expert.enable_cache(self.cache.config(req.num_inference_steps, lambda: pipe.current_timestep))
         oom = None
         try:
             if req.boundary_ratio is not None:
@@ -295,7 +348,8 @@ class PipelineHolder:
             if req.boundary_ratio is not None:
                 pipe.register_to_config(boundary_ratio=boundary)
             if req.quality == Quality.FAST:
-                transformer.disable_cache()
+                for expert in experts(self.pipe):
+                    expert.disable_cache()
         if oom is not None:
             # 4. Out of memory fails this request only. Free its memory here, outside the except block: until
             # then the traceback keeps every frame of the pipeline, and with them the request's tensors.

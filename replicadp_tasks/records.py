@@ -78,6 +78,7 @@ class ReplicaInfo(TypedDict):
     qualities: list[str]  # what a request's `quality` may be here (step_cache.Quality)
     cache: str  # the step cache fast requests run with (step_cache.StepCache), "none" without
     quantize: str  # the transformer's quantization (quantization.Quantize)
+    offload: str  # where the models it is not running wait (memory.Offload)
     pid: int
     load_s: float
     loaded_at: float

@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from .logs import LogFormat
+from .memory import Offload
 from .quantization import Quantize
 from .scheduling import Scheduling
 from .step_cache import CacheMethod, mag_ratios_file
@@ -54,6 +55,13 @@ def _optional(name: str, kind: type[int] | type[float]) -> int | float | None:
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise SystemExit(f"replicadp: environment variable {name}={raw!r} is not {what}") from None
+
+
+def _positive(name: str) -> float | None:
+    value = _optional(name, float)
+    if value is not None and not value > 0:
+        raise SystemExit(f"replicadp: environment variable {name}={value} is not above 0")
+    return value
 
 
 def _bool(name: str, default: bool) -> bool:
@@ -126,6 +134,8 @@ class Settings:
     cache_interval: int | None
     mag_ratios: Path
     quantize: Quantize
+    offload: Offload
+    device_memory_gib: float | None
     deterministic: bool
     soft_time_limit_s: int
     time_limit_s: int
@@ -193,6 +203,14 @@ class Settings:
             mag_ratios=Path(os.environ.get("REPLICADP_MAG_RATIOS") or mag_ratios_file(model_cache, model)),
             # FP8 transformer (quantization.py): ~1.2x on GPUs that have it, a different video for every request.
             quantize=_choice("REPLICADP_QUANTIZE", Quantize, Quantize.NONE),
+            # Where the models a replica is not running wait (memory.py): "none" keeps all of them on the GPU, the
+            # fastest; "expert", "model" and "group" trade seconds per request for the memory of a 14B expert, of
+            # all but one model, of all but one block. Checked at load against what the GPU has.
+            offload=_choice("REPLICADP_OFFLOAD", Offload, Offload.NONE),
+            # The memory a replica may fill on each of its GPUs (GiB; the allocator is held to it): for a GPU shared
+            # with another process, or to try a smaller GPU's limit on a larger one. Unset: what each has free at
+            # load. On a CPU replica only the load-time check reads it.
+            device_memory_gib=_positive("REPLICADP_DEVICE_MEMORY_GIB"),
             # The same input gives the same frames in every replica (determinism.py): the isolation check needs
             # it. 0 trades that for the libraries' fastest kernels (gpu_check.sh measures the difference).
             deterministic=_bool("REPLICADP_DETERMINISTIC", True),

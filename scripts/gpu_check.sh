@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check (issues #9, #22), one command on one GPU, an estimated 9 minutes on an H200 (budget: 10):
+# The GPU check (issues #9, #22, #33), on one GPU, in two commands that each fit the device's 10 minutes a
+# command: `MEMORY_REQUESTS=0 scripts/gpu_check.sh` (steps 1-5, an estimated 9 minutes on an H200) and
+# `ONLY_MEMORY=1 scripts/gpu_check.sh` (steps 1 and 6, an estimated 3-4; neither estimate measured yet). With
+# neither variable set it runs all the steps in one go:
 #   1. installs the carried wheels (.whl/, made here by scripts/fetch_wheels.sh) if the machine lacks them;
 #   2. times one transformer forward pass per attention backend, and with compiled blocks (bench/gpu_kernels.py);
 #      the replicas below use the fastest backend unless REPLICADP_ATTENTION is set (a failure here, or a run
@@ -14,10 +17,18 @@
 #   5. measures each step cache against the exact path on MODEL in one process (bench/step_cache.py: DiT loop and
 #      request time, blocks skipped, PSNR; CACHE_REQUESTS requests per path, 1, 0 skips it; bounded by
 #      CACHE_TIMEOUT, 180 s, and reported, not fatal, if cut short);
-#   6. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
-#      utilisation and the isolation verdict, and leaves the JSON reports in $OUT.
+#   6. measures each memory option (REPLICADP_OFFLOAD: none, expert, model, group) on MEMORY_MODEL in one process
+#      (bench/memory.py: weights on the GPU, load and request time, peak GPU memory, and that every option's frames
+#      equal none's; default random:wan2.2-t2v-a14b, both 14B experts, at 832x480, 17 frames, 4 steps (3 on the
+#      high-noise expert, 1 on the low-noise one: `expert` swaps them twice a request), MEMORY_OPTIONS (all four),
+#      MEMORY_REQUESTS requests after a warm-up, 1, 0 skips it; an estimated 3-4 minutes, most of it the weights
+#      crossing PCIe; bounded by MEMORY_TIMEOUT, 240 s, and reported, not fatal, if cut short or if an option
+#      changed the frames: the options done by then keep their rows);
+#   7. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
+#      utilisation, the isolation verdict and one line per memory option, and leaves the JSON reports in $OUT.
 #
-#   scripts/gpu_check.sh                          # on the GPU machine, from the repo root
+#   scripts/gpu_check.sh                          # on the GPU machine, from the repo root: every step
+#   MEMORY_REQUESTS=0 scripts/gpu_check.sh; ONLY_MEMORY=1 scripts/gpu_check.sh   # the same, in two commands
 #   MODEL=random:wan2.1-t2v-1.3b REQUESTS=4 scripts/gpu_check.sh
 #   DEVICE=cpu MODEL=random:tiny-wan2.2-ti2v SIZE=64x64 FRAMES=5 STEPS=2 REQUESTS=2 scripts/gpu_check.sh
 #                                                 # its CPU rehearsal (tests/test_gpu_check.py)
@@ -31,6 +42,10 @@ MODEL=${MODEL:-random:wan2.2-ti2v-5b}
 REQUESTS=${REQUESTS:-8}
 FAST_REQUESTS=${FAST_REQUESTS:-$(( REQUESTS < 4 ? REQUESTS : 4 ))}  # the run without deterministic kernels
 CACHE_REQUESTS=${CACHE_REQUESTS:-1}  # per path, in the step-cache step
+MEMORY_REQUESTS=${MEMORY_REQUESTS:-1}  # per option, in the memory step
+ONLY_MEMORY=${ONLY_MEMORY:-0}  # 1: the memory step alone (steps 2-5 skipped)
+MEMORY_MODEL=${MEMORY_MODEL:-random:wan2.2-t2v-a14b} MEMORY_SIZE=${MEMORY_SIZE:-832x480}
+MEMORY_FRAMES=${MEMORY_FRAMES:-17} MEMORY_STEPS=${MEMORY_STEPS:-4} MEMORY_OPTIONS=${MEMORY_OPTIONS:-none,expert,model,group}
 DEVICE=${DEVICE:-0}  # the GPU both runs use, or cpu
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
@@ -56,12 +71,14 @@ python3 -c "import torch, diffusers, transformers, celery; print(f'torch {torch.
 replicadp() { python3 -m client "$@"; }
 # State (server, logs) in a temp folder of this run; everything it started is stopped on exit, also on failure.
 export REPLICADP_STATE_DIR=$(mktemp -d /tmp/replicadp-gpu-check.XXXXXX)
+echo "gpu_check: state (server, logs) in $REPLICADP_STATE_DIR, removed at the end"
 cleanup() { replicadp down >/dev/null 2>&1 || true; cp "$REPLICADP_STATE_DIR"/run/replicas.log "$OUT"/ 2>/dev/null || true; rm -rf "$REPLICADP_STATE_DIR"; }
 trap cleanup EXIT
 
 phase() { echo; echo "gpu_check [$((SECONDS / 60))m$((SECONDS % 60))s] $*"; }  # where the time went, if cut short
 status=0
 
+if [[ $ONLY_MEMORY != 1 ]]; then
 # 2. Kernels: the transformer of MODEL's architecture (random:ARCH), else of Wan2.2-TI2V-5B.
 phase "kernels"
 arch=wan2.2-ti2v-5b; [[ $MODEL != random:* ]] || arch=${MODEL#random:}
@@ -111,10 +128,24 @@ if (( CACHE_REQUESTS > 0 )); then
     status=1
   fi
 fi
+fi  # ONLY_MEMORY
 
-# 6. The figures side by side.
+# 6. Memory options against none, in one process, on one GPU (an offloading replica has one). Two 14B experts are
+#    the case they exist for; at 4 steps (shift 12) the last one runs on the low-noise expert, so both move.
+if (( MEMORY_REQUESTS > 0 )); then
+  phase "memory options"
+  one_gpu=(); [[ $DEVICE == cpu ]] || one_gpu=(env CUDA_VISIBLE_DEVICES="$DEVICE")
+  if ! "${one_gpu[@]}" timeout "${MEMORY_TIMEOUT:-240}" python3 bench/memory.py --model "$MEMORY_MODEL" --size "$MEMORY_SIZE" \
+      --frames "$MEMORY_FRAMES" --steps "$MEMORY_STEPS" --requests "$MEMORY_REQUESTS" --options "$MEMORY_OPTIONS" \
+      --out "$OUT/memory.json"; then
+    echo "gpu_check: the memory step failed, ran past ${MEMORY_TIMEOUT:-240} s, or an option changed the frames (above)" >&2
+    status=1
+  fi
+fi
+
+# 7. The figures side by side.
 phase "done"
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" "$ONLY_MEMORY" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -127,24 +158,38 @@ if (out / "kernels.json").exists():
         c = kernels["compile"]
         print(f"compiled blocks: {1000 * plain['seconds_per_pass']:.1f} -> {1000 * c['seconds_per_pass']:.1f} ms "
               f"per transformer pass, after {c['compile_s']:.0f} s compiling")
-print(f"{'run':<28}{'p50 latency':>13}{'videos/min':>12}{'DiT MFU':>9}{'peak GiB/replica':>18}  isolation")
-for name in ("one", "fast", "two"):
-    if not (out / f"{name}.json").exists():  # its bench failed (the error is above), or FAST_REQUESTS=0
-        print(f"{name}: no report")
-        continue
-    rep = json.loads((out / f"{name}.json").read_text())
-    peaks = ", ".join(f"{r['peak_memory_gib']:.1f}" for r in rep["per_replica"].values() if r.get("peak_memory_gib"))
-    iso = rep.get("isolation", {})
-    verdict = "baseline written" if "recorded" in iso else \
-        f"{'PASS' if iso.get('passed') else 'FAIL'} ({iso.get('matched')} matched, {iso.get('mismatched')} mismatched)"
-    if name == "fast":
-        verdict = f"same outputs as deterministic: {iso.get('matched')} of {rep['completed']} (not required)"
-    mfu = f"{100 * rep['mfu']:.1f}%" if rep.get("mfu") else "-"
-    print(f"{rep['label']:<28}{rep['latency_s']['p50']:>12.2f}s{rep['videos_per_min']:>12.2f}{mfu:>9}{peaks:>18}  {verdict}")
-reps = {n: json.loads((out / f"{n}.json").read_text()) for n in ("one", "fast") if (out / f"{n}.json").exists()}
-if len(reps) == 2:
-    on, off = reps["one"]["latency_s"]["p50"], reps["fast"]["latency_s"]["p50"]
-    print(f"deterministic kernels (REPLICADP_DETERMINISTIC=1, the default) cost {100 * (on / off - 1):+.1f}% latency "
-          f"p50 ({on:.2f} s against {off:.2f} s)")
+if sys.argv[2] != "1":  # the serving runs (not with ONLY_MEMORY=1)
+    print(f"{'run':<28}{'p50 latency':>13}{'videos/min':>12}{'DiT MFU':>9}{'peak GiB/replica':>18}  isolation")
+    for name in ("one", "fast", "two"):
+        if not (out / f"{name}.json").exists():  # its bench failed (the error is above), or FAST_REQUESTS=0
+            print(f"{name}: no report")
+            continue
+        rep = json.loads((out / f"{name}.json").read_text())
+        peaks = ", ".join(f"{r['peak_memory_gib']:.1f}" for r in rep["per_replica"].values() if r.get("peak_memory_gib"))
+        iso = rep.get("isolation", {})
+        verdict = "baseline written" if "recorded" in iso else \
+            f"{'PASS' if iso.get('passed') else 'FAIL'} ({iso.get('matched')} matched, {iso.get('mismatched')} mismatched)"
+        if name == "fast":
+            verdict = f"same outputs as deterministic: {iso.get('matched')} of {rep['completed']} (not required)"
+        mfu = f"{100 * rep['mfu']:.1f}%" if rep.get("mfu") else "-"
+        print(f"{rep['label']:<28}{rep['latency_s']['p50']:>12.2f}s{rep['videos_per_min']:>12.2f}{mfu:>9}{peaks:>18}  {verdict}")
+    reps = {n: json.loads((out / f"{n}.json").read_text()) for n in ("one", "fast") if (out / f"{n}.json").exists()}
+    if len(reps) == 2:
+        on, off = reps["one"]["latency_s"]["p50"], reps["fast"]["latency_s"]["p50"]
+        print(f"deterministic kernels (REPLICADP_DETERMINISTIC=1, the default) cost {100 * (on / off - 1):+.1f}% latency "
+              f"p50 ({on:.2f} s against {off:.2f} s)")
+if (out / "memory.json").exists():
+    mem = json.loads((out / "memory.json").read_text())
+    print(f"memory options ({mem['model']}, {mem['size']}x{mem['frames']}, {mem['steps']} steps):")
+    for r in mem["rows"]:
+        if r["skipped"]:
+            print(f"  {r['option']:<8}skipped: {r['skipped']}")
+        else:
+            print(f"  {r['option']:<8}p50 request {r['request_s']:.2f} s, peak {r['peak_memory_gib']:.1f} GiB, "
+                  f"same frames as none: {r['same_as_none']}/{mem['requests']}")
+    done = {r["option"] for r in mem["rows"]}
+    for option in mem["options"]:
+        if option not in done:
+            print(f"  {option:<8}no figures (the step was cut short)")
 EOF
 exit $status

@@ -33,6 +33,11 @@ os.environ.pop("REDIS_URL", None)
 # once): torch.compile keeps its cache and precompiled headers under it (test_architectures compiles blocks).
 (SESSION_DIR / "tmp").mkdir()
 os.environ["TMPDIR"] = tempfile.tempdir = str(SESSION_DIR / "tmp")
+# Before torch starts, as a replica does (determinism.py): the tests that compare frames across pipelines of one
+# process depend on it as the replicas do. test_isolation proves that a replica sets it with nothing inherited.
+from replicadp_tasks import determinism  # noqa: E402
+
+determinism.set_environment()
 
 import pytest  # noqa: E402
 import redis  # noqa: E402

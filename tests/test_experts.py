@@ -20,6 +20,7 @@ import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from PIL import Image
 
+from client.bench.describe import figures
 from conftest import run_client_on, start_replicas
 from test_http import REPLICADP, gateway, post
 
@@ -245,7 +246,9 @@ def test_describe_lists_both_experts():
 def test_describe_model_json_gives_each_experts_flops():
     """`describe-model random:wan2.2-t2v-a14b --json -`: both experts' parameters, each expert's steps and FLOPs
     at the reference workload (30 steps at shift 12: 19 at or above the 0.875 boundary, 11 below; 19.20 and
-    11.12 PFLOP), their sum as `dit_flops`, and the weights' fit on one 139 GiB GPU (64.3 GiB)."""
+    11.12 PFLOP), their sum as `dit_flops`, and the weights' fit on one 139 GiB GPU (64.3 GiB), all resident and
+    with each memory option (test_memory's figures); with --gpu-memory-gib 40 only the offloading ones fit, and on
+    two GPUs only `none` serves."""
     run = subprocess.run([sys.executable, "-c", "from client.cli import main; main()", "describe-model",
                           "random:wan2.2-t2v-a14b", "--json", "-"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -258,16 +261,28 @@ def test_describe_model_json_gives_each_experts_flops():
     assert fig["boundary_ratio"] == 0.875
     assert fig["memory"]["fits"] and round(fig["memory"]["weights_bytes_per_gpu"][0] / 2**30, 1) == 64.3
     assert "transformer_2: 11 steps, 11.12 PFLOP" in run.stderr and "fits" in run.stderr
+    assert {o["offload"]: round(o["weights_bytes"] / 2**30, 1) for o in fig["offload"]} == {
+        "none": 64.4, "expert": 37.7, "model": 26.7, "group": 10.6}
+    small = figures("wan2.2-t2v-a14b", width=832, height=480, num_frames=33, steps=30, peak_tflops=989,
+                    gpu_memory_gib=40)
+    assert {o["offload"]: o["fits"] for o in small["offload"]} == {"none": False, "expert": True, "model": True,
+                                                                   "group": True}
+    assert "REPLICADP_OFFLOAD=model: 26.67 GiB at most on a GPU: fits" in run.stderr
+    two = figures("wan2.2-t2v-a14b", width=832, height=480, num_frames=33, steps=30, peak_tflops=989, gpus=2)
+    assert [o["offload"] for o in two["offload"] if o["unusable"] is None] == ["none"]
 
 
 # --- served: replicas of the stand-ins, through Python, HTTP and the CLI ------------------------------------------
 
 @pytest.fixture(scope="module")
 def served(redis_db, model_cache):
-    """A replica of each stand-in, each on a database of its own: `tiny-a14b` (T2V) and `tiny-i2v-a14b` (I2V)."""
+    """A replica of each stand-in, each on a database of its own and with a memory option (memory.py):
+    `tiny-a14b` (T2V) keeping its idle expert in CPU memory, within a device memory setting that both experts
+    resident would exceed (0.31 MiB, against 0.37), and `tiny-i2v-a14b` (I2V) with group offload."""
     urls = SimpleNamespace(t2v=redis_db(), i2v=redis_db())
-    groups = [start_replicas(1, urls.t2v, "a14b", model="tiny-a14b"),
-              start_replicas(1, urls.i2v, "i2v-a14b", model="tiny-i2v-a14b")]
+    groups = [start_replicas(1, urls.t2v, "a14b", model="tiny-a14b", REPLICADP_OFFLOAD="expert",
+                             REPLICADP_DEVICE_MEMORY_GIB="0.0003"),
+              start_replicas(1, urls.i2v, "i2v-a14b", model="tiny-i2v-a14b", REPLICADP_OFFLOAD="group")]
     try:
         yield urls
     finally:
@@ -280,7 +295,7 @@ def test_a14b_replicas_serve_the_two_expert_fields_through_python_http_and_the_c
     """A tiny-a14b replica serves guidance_scale_2 and boundary_ratio from generate's kwargs (Python), the HTTP
     form and `replicadp generate --guidance-2 --boundary`: each reported in the Result's params; the same inputs
     give the same video by every route, other fields another one; the gateway refuses a boundary_ratio out of
-    range (400 naming it)."""
+    range (400 naming it). `replicadp status` shows the replica's memory option."""
     two = {"guidance_scale_2": 2.0, "boundary_ratio": 0.5}
     python = run_client_on(served.t2v, [{**REQUEST, **two}, REQUEST], concurrency=2)
     assert all(o.ok for o in python), [o.error for o in python]
@@ -301,6 +316,9 @@ def test_a14b_replicas_serve_the_two_expert_fields_through_python_http_and_the_c
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert {k: result["params"][k] for k in two} == two and result["video_sha256"] == python[0].result["video_sha256"]
+    run = subprocess.run([REPLICADP, "status", "--json"], env={**os.environ, "REDIS_URL": served.t2v},
+                         capture_output=True, text=True, timeout=60)
+    assert [r["offload"] for r in json.loads(run.stdout)["replicas"]] == ["expert"], run.stdout + run.stderr
 
 
 @pytest.mark.cluster

@@ -168,17 +168,24 @@ def test_isolation_protocol_with_16_inputs(isa, redis_db, tiny_model, tmp_path):
 
 
 def test_isolation_protocol_on_the_two_expert_stand_in(redis_db, tmp_path):
-    """The reference protocol on tiny-a14b, Wan2.2-T2V-A14B's stand-in (its 4 steps run 3 on one expert, 1 on the
-    other): all 16 inputs match bit for bit between the baseline's replica and two others at concurrency 4."""
-    rep = protocol(redis_db(), "isolation-a14b", tmp_path, {"OUTPUT_DIR": str(tmp_path / "out")}, model="tiny-a14b")
+    """The reference protocol on tiny-a14b, Wan2.2-T2V-A14B's stand-in (its 8 steps run 6 on one expert, 2 on the
+    other), standard and fast (TaylorSeer on each expert) in turn, with the idle expert kept in CPU memory
+    (REPLICADP_OFFLOAD=expert: both experts move at every request): all 16 inputs match bit for bit between the
+    baseline's replica and two others at concurrency 4, and each result says which path ran."""
+    env = {"OUTPUT_DIR": str(tmp_path / "out"), "REPLICADP_CACHE": "taylorseer", "REPLICADP_OFFLOAD": "expert"}
+    rep = protocol(redis_db(), "isolation-a14b", tmp_path, env, "--steps", "8", "--quality", "mixed",
+                   model="tiny-a14b")
     assert rep["model"] == "tiny-a14b"
+    stored = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")]  # the output store's Results
+    assert sorted(r["params"]["quality"] for r in stored) == ["fast"] * 18 + ["standard"] * 18
 
 
 def test_replicas_run_mkl_in_reproducible_mode(redis_db, tiny_model, tmp_path):
-    """A replica started with nothing set runs MKL with conditional numerical reproducibility (MKL_CBWR) and
-    says so: MKL's own log of each call reads CNR:AUTO,STRICT, never CNR:OFF."""
+    """A replica started with nothing set (MKL_CBWR empty: the test process itself has it set, conftest) runs
+    MKL with conditional numerical reproducibility and says so: MKL's own log of each call reads CNR:AUTO,STRICT,
+    never CNR:OFF."""
     url = redis_db()
-    group = start_replicas(1, url, "mkl-verbose", OUTPUT_DIR=str(tmp_path), MKL_VERBOSE="1")
+    group = start_replicas(1, url, "mkl-verbose", OUTPUT_DIR=str(tmp_path), MKL_VERBOSE="1", MKL_CBWR="")
     try:
         run = bench(url, "--num-requests", "1", "--concurrency", "1", "--warmup", "0")
     finally:

@@ -1,13 +1,15 @@
 """`replicadp describe-model`: what a model weighs, component by component, its transformers' FLOPs per request
-(each expert's, for Wan2.2's two-expert A14B models), and whether the replica's GPUs can hold its weights: the
-figures for sizing a GPU and behind the bench's model FLOP utilisation."""
+(each expert's, for Wan2.2's two-expert A14B models), and whether the replica's GPUs can hold its weights, with
+each memory option (REPLICADP_OFFLOAD): the figures for sizing a GPU and behind the bench's model FLOP
+utilisation."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from replicadp_tasks.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, describe,
-                                           reference_expert_flops)
+from replicadp_tasks.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, build_components,
+                                           build_tokenizer, describe, reference_expert_flops)
+from replicadp_tasks.memory import Offload, needs, size, usable
 from replicadp_tasks.pipeline import RANDOM_PREFIX, TINY_SPECS, placement
 
 from ..progress import console
@@ -34,18 +36,37 @@ def memory(rows: list[dict], gpus: int, gpu_memory_gib: float) -> dict:
             "fits": all(b <= gpu_memory_gib * 2**30 for b in per_gpu)}
 
 
+def offload_needs(name: str, gpus: int, gpu_memory_gib: float) -> list[dict]:
+    """What each memory option keeps on a GPU at most (memory.needs: parameters and buffers, on the served models'
+    module trees built on the meta device), whether that fits, and why an option cannot serve this replica."""
+    import torch
+
+    with torch.device("meta"):
+        models = build_components(architecture(name), build_tokenizer(), torch.bfloat16)
+    devices = [f"cuda:{i}" for i in range(gpus)]
+    rows = []
+    for option in Offload:
+        why = usable(option, models, devices)
+        peak = None if why else max(n.total for n in needs(models, option, devices, placement(list(models), gpus),
+                                                            streamed=True))
+        rows.append({"offload": option.value, "weights_bytes": peak,
+                     "fits": None if why else peak <= gpu_memory_gib * 2**30, "unusable": why})
+    return rows
+
+
 def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, peak_tflops: float,
             gpus: int = 1, gpu_memory_gib: float = GPU_MEMORY_GIB) -> dict:
     """Each component's parameters (built on the meta device: nothing is allocated), each expert's steps and
     FLOPs for one request of that shape, guidance on (`dit_flops`: all experts together), and whether `gpus`
-    GPUs of `gpu_memory_gib` hold the weights."""
+    GPUs of `gpu_memory_gib` hold the weights, all resident and with each memory option."""
     rows = describe(name)
     experts = reference_expert_flops(name, width=width, height=height, num_frames=num_frames, steps=steps)
     return {"architecture": name, "components": rows,
             "request": {"width": width, "height": height, "num_frames": num_frames, "steps": steps, "guidance": True},
             "boundary_ratio": architecture(name).boundary_ratio, "experts": experts,
             "dit_flops": sum(e["dit_flops"] for e in experts.values()),
-            "peak_tflops": peak_tflops, "memory": memory(rows, gpus, gpu_memory_gib)}
+            "peak_tflops": peak_tflops, "memory": memory(rows, gpus, gpu_memory_gib),
+            "offload": offload_needs(name, gpus, gpu_memory_gib)}
 
 
 def print_figures(fig: dict) -> None:
@@ -72,3 +93,7 @@ def print_figures(fig: dict) -> None:
     shares = " + ".join(f"{b / 2**30:.1f}" for b in mem["weights_bytes_per_gpu"])
     console.print(f"weights on {mem['gpus']} GPU(s) of {mem['gpu_memory_gib']:g} GiB: {shares} GiB: "
                   f"{'fits' if mem['fits'] else 'does NOT fit'} (weights only; activations come on top)")
+    for o in fig["offload"]:
+        held = (f"{size(o['weights_bytes'])} at most on a GPU: {'fits' if o['fits'] else 'does NOT fit'}"
+                if o["unusable"] is None else f"not for this replica ({o['unusable'].split('. ')[0]})")
+        console.print(f"  REPLICADP_OFFLOAD={o['offload']}: {held}")
