@@ -65,7 +65,7 @@ class Architecture:
     boundary_ratio: float | None = None
     i2v: bool = False  # image-to-video (WanImageToVideoPipeline): a first frame is required
     # The published sampling defaults: guidance for `transformer` (the high-noise expert) and for `transformer_2`
-    # (None: one expert). Documented here; requests do not read them yet (validate.DEFAULTS' guidance applies).
+    # (None: one expert). A request that leaves one out gets the model's (request_defaults).
     guidance_scale: float = 5.0
     guidance_scale_2: float | None = None
 
@@ -73,6 +73,25 @@ class Architecture:
     def experts(self) -> tuple[str, ...]:
         """The pipeline's transformer components: `transformer`, and `transformer_2` for a two-expert model."""
         return ("transformer",) if self.boundary_ratio is None else ("transformer", "transformer_2")
+
+    @property
+    def request_defaults(self) -> dict:
+        """What a request to this model gets for a field it leaves out, over validate.DEFAULTS: its guidance."""
+        two = {} if self.guidance_scale_2 is None else {"guidance_scale_2": self.guidance_scale_2}
+        return {"guidance_scale": self.guidance_scale, **two}
+
+
+def architecture_of(transformer_config, boundary_ratio: float | None, i2v: bool) -> str | None:
+    """The architecture a loaded pipeline is (a hub model, a folder, a tiny stand-in): the one whose transformer
+    arguments the transformer's config has, with the same boundary and kind; None for a model of none of them."""
+    def same(a, b) -> bool:
+        return list(a) == list(b) if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) else a == b
+
+    for name, arch in ARCHITECTURES.items():
+        if (arch.boundary_ratio == boundary_ratio and arch.i2v == i2v
+                and all(same(transformer_config.get(k), v) for k, v in arch.transformer.items())):
+            return name
+    return None
 
 
 ARCHITECTURES = {

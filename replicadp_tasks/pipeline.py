@@ -20,8 +20,8 @@ from typing import Callable
 import numpy as np
 
 from . import determinism, hub
-from .architectures import (ARCHITECTURES, architecture, build_components, build_pipeline, build_tokenizer,
-                            expert_steps, request_flops)
+from .architectures import (ARCHITECTURES, architecture, architecture_of, build_components, build_pipeline,
+                            build_tokenizer, expert_steps, request_flops)
 from .errors import InvalidRequest, ModelLoadError, OutOfMemory
 from .memory import Offload, models_of, shortfall
 from .memory import apply as apply_offload
@@ -150,6 +150,15 @@ class PipelineHolder:
         """Where a two-expert model switches from `transformer` to `transformer_2`, as a share of the scheduler's
         training timesteps (the pipeline's config); None for one expert."""
         return None if self.synthetic_s is not None else self.pipe.config.get("boundary_ratio")
+
+    @property
+    def request_defaults(self) -> dict:
+        """The model's own defaults for what a request leaves out (Wan2.2 A14B's guidance for each expert), from the
+        architecture the loaded model is; none for a model of another one, or the synthetic backend."""
+        if self.synthetic_s is not None:
+            return {}
+        name = architecture_of(self.pipe.transformer.config, self.boundary_ratio, self.requires_image)
+        return {} if name is None else ARCHITECTURES[name].request_defaults
 
     @property
     def qualities(self) -> list[str]:

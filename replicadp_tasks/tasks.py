@@ -91,7 +91,7 @@ class Delivery:
         req = validate_request(kwargs, size_multiple=pipeline.size_multiple,
                                max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
                                qualities=pipeline.qualities, experts=pipeline.expert_count,
-                               requires_image=pipeline.requires_image)
+                               requires_image=pipeline.requires_image, defaults=pipeline.request_defaults)
         image, image_sha256 = None, None
         if req.image is not None:
             if not pipeline.accepts_image:

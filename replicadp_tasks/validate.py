@@ -151,7 +151,7 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
 def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
                      max_work: int | None = None, webhook_policy: bool = True,
                      qualities: list[str] | None = None, experts: int | None = None,
-                     requires_image: bool = False) -> GenerateRequest:
+                     requires_image: bool = False, defaults: dict | None = None) -> GenerateRequest:
     """Check `generate`'s keyword arguments and return them with defaults filled in.
 
     `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
@@ -159,7 +159,8 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     webhook's form only, not what this deployment allows (for a producer without its settings: the replica checks);
     `qualities`: the paths the replica serves (None: any, the replica checks); `experts`: the transformers of the
     model (1 refuses guidance_scale_2 and boundary_ratio; None: unknown, the replica checks); `requires_image`: an
-    image-to-video model, which refuses a request without `image`. Raises InvalidRequest naming the first bad field.
+    image-to-video model, which refuses a request without `image`; `defaults`: the model's own over DEFAULTS for
+    what the request leaves out (PipelineHolder.request_defaults). Raises InvalidRequest naming the first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
     if unknown:
@@ -169,7 +170,7 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     check_priority(kwargs.get("priority"))
     check_tenant(kwargs.get("tenant"))
     check_user(kwargs.get("user"))
-    v = {**DEFAULTS, **{k: x for k, x in kwargs.items()
+    v = {**DEFAULTS, **(defaults or {}), **{k: x for k, x in kwargs.items()
                         if x is not None and k not in SCHEDULING_FIELDS + WEBHOOK_FIELDS}}
 
     for side in ("height", "width"):

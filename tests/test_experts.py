@@ -17,14 +17,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from diffusers import WanImageToVideoPipeline, WanPipeline
+from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 from PIL import Image
 
 from client.bench.describe import figures
 from conftest import run_client_on, start_replicas
 from test_http import REPLICADP, gateway, post
 
-from replicadp_tasks.architectures import ARCHITECTURES, describe, dit_flops, reference_flops
+from replicadp_tasks.architectures import ARCHITECTURES, architecture_of, describe, dit_flops, reference_flops
 from replicadp_tasks.errors import InvalidRequest, ModelLoadError
 from replicadp_tasks.pipeline import PipelineHolder, place, resolve_model
 from replicadp_tasks.validate import validate_request
@@ -169,6 +169,26 @@ def test_guidance_scale_2_guides_the_low_noise_expert(t2v):
     assert not np.array_equal(frames_of(t2v, guidance_scale_2=2.0), unset)
 
 
+def test_a_request_without_guidance_gets_the_models_own(t2v, i2v, model_cache):
+    """What a request leaves out of the guidance is the model's published default, found from the loaded folder's
+    transformer config, boundary and pipeline class: T2V-A14B's 4.0 and 3.0 (tiny-a14b), I2V-A14B's 3.5 and 3.5, a
+    one-expert model's 5.0 alone; a field the request gives wins, the other keeps the model's. The defaults make
+    the frames the same values given make. Every architecture is told apart by its transformer config alone."""
+    assert t2v.request_defaults == {"guidance_scale": 4.0, "guidance_scale_2": 3.0}
+    assert i2v.request_defaults == {"guidance_scale": 3.5, "guidance_scale_2": 3.5}
+    assert holder("tiny", model_cache).request_defaults == {"guidance_scale": 5.0}
+    req = validate_request(REQUEST, defaults=t2v.request_defaults)
+    assert (req.guidance_scale, req.guidance_scale_2) == (4.0, 3.0)
+    given = validate_request({**REQUEST, "guidance_scale": 6.0}, defaults=t2v.request_defaults)
+    assert (given.guidance_scale, given.guidance_scale_2) == (6.0, 3.0)
+    assert np.array_equal(t2v.generate(req), frames_of(t2v, guidance_scale=4.0, guidance_scale_2=3.0))
+    assert not np.array_equal(t2v.generate(req), frames_of(t2v))  # validate.DEFAULTS' 5.0 for both
+    for name, arch in ARCHITECTURES.items():
+        with torch.device("meta"):
+            config = WanTransformer3DModel(**arch.transformer).config
+        assert architecture_of(config, arch.boundary_ratio, arch.i2v) == name
+
+
 def test_two_expert_fields_are_checked_and_refused_by_one_expert_models():
     """guidance_scale_2 (0-20) and boundary_ratio (0-1) are validated naming the field and the value; a model of one
     expert (experts=1) refuses each by name; unset, neither is part of a request's params (the identity of a
@@ -294,13 +314,15 @@ def served(redis_db, model_cache):
 def test_a14b_replicas_serve_the_two_expert_fields_through_python_http_and_the_cli(served):
     """A tiny-a14b replica serves guidance_scale_2 and boundary_ratio from generate's kwargs (Python), the HTTP
     form and `replicadp generate --guidance-2 --boundary`: each reported in the Result's params; the same inputs
-    give the same video by every route, other fields another one; the gateway refuses a boundary_ratio out of
-    range (400 naming it). `replicadp status` shows the replica's memory option."""
+    give the same video by every route, other fields another one; a request without them gets the model's
+    guidance for each expert; the gateway refuses a boundary_ratio out of range (400 naming it). `replicadp
+    status` shows the replica's memory option."""
     two = {"guidance_scale_2": 2.0, "boundary_ratio": 0.5}
     python = run_client_on(served.t2v, [{**REQUEST, **two}, REQUEST], concurrency=2)
     assert all(o.ok for o in python), [o.error for o in python]
     assert {k: python[0].result["params"][k] for k in two} == two
-    assert not set(two) & set(python[1].result["params"])
+    plain = python[1].result["params"]  # the model's guidance for each expert, its boundary
+    assert (plain["guidance_scale"], plain["guidance_scale_2"]) == (4.0, 3.0) and "boundary_ratio" not in plain
     assert python[0].result["video_sha256"] != python[1].result["video_sha256"]
     form = {"prompt": REQUEST["prompt"], "seed": "3", "size": "64x64", "num_frames": "5", "num_inference_steps": "4",
             "guidance_scale_2": "2", "boundary_ratio": "0.5"}

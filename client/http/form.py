@@ -52,9 +52,11 @@ async def video_form(
                                                     "does (5 s at 24 fps: 121).")] = None,
     fps: Annotated[int | None, Form(description="Frame rate of the MP4 (default 24).")] = None,
     num_inference_steps: Annotated[int | None, Form()] = None,
-    guidance_scale: Annotated[float | None, Form()] = None,
+    guidance_scale: Annotated[float | None, Form(description="Default: the model's (5.0; Wan2.2 T2V-A14B 4.0, "
+                                                             "I2V-A14B 3.5).")] = None,
     guidance_scale_2: Annotated[float | None, Form(description="Two-expert models (Wan2.2 A14B): the low-noise "
-                                                               "expert's guidance (default: guidance_scale).")] = None,
+                                                               "expert's guidance (default: the model's: 3.0 for T2V, "
+                                                               "3.5 for I2V).")] = None,
     boundary_ratio: Annotated[float | None, Form(description="Two-expert models: where the experts switch, 0 to 1 "
                                                              "of the timesteps (default: the model's).")] = None,
     seed: Annotated[int | None, Form()] = None,
