@@ -421,7 +421,8 @@ def status(watch, json_out):
 @click.option("--devices", default="auto", show_default=True,
               help="GPU ids (0,1,...), cpu, or auto: the visible GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi's), "
                    "else cpu.")
-@click.option("--gpus-per-replica", default=1, show_default=True)
+@click.option("--gpus-per-replica", type=int, help="Default: REPLICADP_PARALLEL's rank count (one GPU per rank), "
+              "else 1.")
 @click.option("--threads", type=int, help="CPU threads per replica (cpu only).")
 # tiny unless REPLICADP_MODEL says otherwise: `up` works offline out of the box.
 @click.option("--model", default="tiny", envvar="REPLICADP_MODEL", show_default=True, show_envvar=True,
@@ -430,16 +431,20 @@ def status(watch, json_out):
 @redis_url_option(help="Redis to start the replicas on (default: an embedded server, started here).")
 def up(n, devices, gpus_per_replica, threads, model, timeout):
     """Start the embedded server (unless REDIS_URL is set) and N replicas in the background."""
+    from replicadp_tasks.settings import SETTINGS
+
     from .api import redacted
     from .local.replicas import plan, visible_gpus
     from .local.replicas import up as do_up
 
+    gpus_per_replica = gpus_per_replica or SETTINGS.parallel.size
     try:
         chosen, n = plan(devices, n, gpus_per_replica, visible_gpus() if devices == "auto" else [])
     except ValueError as exc:
         raise click.UsageError(str(exc))
+    layout = f", each over {SETTINGS.parallel.size} ranks ({SETTINGS.parallel})" if SETTINGS.parallel.size > 1 else ""
     console.print(f"up: {n} replica(s) of {model!r} on {'the CPU' if chosen == 'cpu' else 'GPU(s) ' + chosen}"
-                  + (" (--devices auto)" if devices == "auto" else ""))
+                  + (" (--devices auto)" if devices == "auto" else "") + layout)
     try:
         state = do_up(n, model, chosen, threads, gpus_per_replica, timeout)
     except (RuntimeError, TimeoutError) as exc:

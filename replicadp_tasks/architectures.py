@@ -307,13 +307,19 @@ def dit_flops(config, tokens: int, text_len: int = TEXT_LEN, timestep_tokens: in
     return 2 * (config["num_layers"] * block + embed)
 
 
+def video_tokens(config, *, height: int, width: int, num_frames: int, vae_spatial: int, vae_temporal: int) -> int:
+    """The video tokens a transformer pass of this shape runs on: latent frames x latent patches."""
+    pt, ph, pw = config["patch_size"]
+    latent_frames = (num_frames - 1) // vae_temporal + 1
+    return (latent_frames // pt) * (height // vae_spatial // ph) * (width // vae_spatial // pw)
+
+
 def request_flops(config, *, height: int, width: int, num_frames: int, steps: int, guidance: bool,
                   vae_spatial: int, vae_temporal: int, per_token_timesteps: bool, text_len: int = TEXT_LEN) -> int:
     """The transformer's FLOPs for `steps` denoising steps of one request: a forward pass per step, two with
     classifier-free guidance. For two experts, call it for each with the steps it runs (expert_steps)."""
-    pt, ph, pw = config["patch_size"]
-    latent_frames = (num_frames - 1) // vae_temporal + 1
-    tokens = (latent_frames // pt) * (height // vae_spatial // ph) * (width // vae_spatial // pw)
+    tokens = video_tokens(config, height=height, width=width, num_frames=num_frames, vae_spatial=vae_spatial,
+                          vae_temporal=vae_temporal)
     per_pass = dit_flops(config, tokens, text_len, timestep_tokens=tokens if per_token_timesteps else 1)
     return per_pass * steps * (2 if guidance else 1)
 

@@ -119,3 +119,9 @@ class MessageRefused(ReplicaDPError):
     def __init__(self, reason: str, task_id: str | None = None):
         super().__init__(reason)
         self.task_id = task_id
+
+
+class GroupLost(ReplicaDPError):
+    """Raised when a rank of a multi-process replica (REPLICADP_PARALLEL, parallel.py) died, hung past
+    REPLICADP_PARALLEL_TIMEOUT or failed mid-request: the replica's attempt ends (its process exits and the request
+    is requeued, as a killed replica's is) and the pool's next child rebuilds the group."""

@@ -20,12 +20,14 @@ from typing import Callable
 import numpy as np
 
 from . import determinism, hub
+from . import parallel
 from .architectures import (ARCHITECTURES, architecture, architecture_of, build_components, build_pipeline,
-                            build_tokenizer, expert_steps, request_flops)
-from .errors import InvalidRequest, ModelLoadError, OutOfMemory
+                            build_tokenizer, expert_steps, request_flops, video_tokens)
+from .errors import GroupLost, InvalidRequest, ModelLoadError, OutOfMemory
 from .memory import Offload, models_of, shortfall
 from .memory import apply as apply_offload
 from .memory import check as check_memory
+from .parallel import Followers, Layout
 from .quantization import Quantize, quantize
 from .step_cache import CacheMethod, Quality, StepCache
 from .validate import REFERENCE_WORK, GenerateRequest
@@ -99,7 +101,9 @@ class PipelineHolder:
     def __init__(self, spec: str, *, model_cache: Path, threads: int = 1, vae_tiling: bool = False,
                  attention: str = "native", compile: str = "none", deterministic: bool = True,
                  cache: StepCache = StepCache(CacheMethod.NONE), quantize: Quantize = Quantize.NONE,
-                 offload: Offload = Offload.NONE, memory_gib: float | None = None):
+                 offload: Offload = Offload.NONE, memory_gib: float | None = None, layout: Layout = Layout(),
+                 rank: int = 0, port: int | None = None, parallel_timeout_s: float = 60.0,
+                 on_group_lost: Callable[[str], None] | None = None):
         self.spec = spec
         self.model_cache = model_cache
         self.threads = threads
@@ -111,12 +115,28 @@ class PipelineHolder:
         self.quantize = quantize
         self.offload = offload
         self.memory_gib = memory_gib
+        # REPLICADP_PARALLEL (parallel.py): this process is `rank` of the layout's ranks; rank 0 starts the others.
+        self.layout = layout
+        self.rank = rank
+        self.port = port
+        self.parallel_timeout_s = parallel_timeout_s
+        self.on_group_lost = on_group_lost
+        self.followers: Followers | None = None
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
         self.devices: list[str] = ["cpu"]
         self.synthetic_s = synthetic_seconds(spec)
         self.last_run: RunStats | None = None
+
+    @classmethod
+    def from_settings(cls, settings, **kwargs) -> "PipelineHolder":
+        """The holder a replica's settings (settings.Settings) describe; `kwargs`: this process's place in them."""
+        return cls(settings.model, model_cache=settings.model_cache, threads=settings.threads,
+                   vae_tiling=settings.vae_tiling, attention=settings.attention, compile=settings.compile,
+                   deterministic=settings.deterministic, cache=StepCache.from_settings(settings),
+                   quantize=settings.quantize, offload=settings.offload, memory_gib=settings.device_memory_gib,
+                   layout=settings.parallel, parallel_timeout_s=settings.parallel_timeout_s, **kwargs)
 
     @property
     def size_multiple(self) -> int:
@@ -167,8 +187,9 @@ class PipelineHolder:
 
     def served(self, quality: Quality) -> dict:
         """What about this deployment changes a request's output besides its inputs and the model: the step cache
-        (fast requests) and the quantization. Part of the input's identity (validate.input_key) and its Result."""
+        (fast requests), a layout over several ranks (its gathers may round otherwise) and the quantization. Part of the input's identity (validate.input_key) and its Result."""
         served = {"cache": str(self.cache)} if quality == Quality.FAST else {}
+        served |= {"parallel": str(self.layout)} if self.layout.size > 1 else {}
         return served | ({"quantize": str(self.quantize)} if self.quantize != Quantize.NONE else {})
 
     def load(self) -> None:
@@ -204,6 +225,8 @@ class PipelineHolder:
         else:
             self.devices, self.device, dtype = ["cpu"], "cpu", torch.float32
             torch.set_num_threads(self.threads)
+        if self.layout.size > 1:
+            self._join_group()
         # 2. The memory option checked against what each device has, before any weight reaches a GPU: from the
         #    random architecture's meta build, or the checkpoint loaded into CPU memory (from_pretrained: the same
         #    path for a hub model, a local folder and `tiny`, built into the model cache on first use).
@@ -242,12 +265,21 @@ class PipelineHolder:
         # 3. Fidelity for speed, for every request: an FP8 transformer (REPLICADP_QUANTIZE), before it is compiled.
         #    The step cache is the other such option, installed per fast request (generate).
         quantize(pipe, self.quantize, self.device, self.devices)
-        # 4. Speed: the attention kernels, and compilation of each expert (on the first request of a shape).
+        # 4. Speed: the attention kernels, each expert's passes split over the ranks (REPLICADP_PARALLEL), and
+        #    compilation of each expert (on the first request of a shape).
         for expert in experts(pipe):
             try:
                 expert.set_attention_backend(self.attention)
             except (ValueError, RuntimeError, ImportError) as exc:
                 raise ModelLoadError(f"REPLICADP_ATTENTION={self.attention!r}: {exc}") from exc
+        if self.layout.size > 1:
+            parallel.check_heads(self.layout, pipe.transformer.config.num_attention_heads)
+            try:
+                parallel.enable(experts(pipe), self.layout)
+            except ValueError as exc:  # an attention backend without context parallelism
+                raise ModelLoadError(f"REPLICADP_PARALLEL={self.layout} with REPLICADP_ATTENTION={self.attention!r}: "
+                                     f"{exc}") from exc
+        for expert in experts(pipe):
             if self.compile == "blocks":
                 expert.compile_repeated_blocks(fullgraph=True)
             elif self.compile == "full":
@@ -257,6 +289,33 @@ class PipelineHolder:
             pipe.vae.enable_tiling()
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
+
+    def _join_group(self) -> None:
+        """REPLICADP_PARALLEL: refuse what this deployment cannot split (by name), start the followers (rank 0),
+        join the group, and keep this rank's own GPU (one per rank)."""
+        options = {s: str(v) for s, v, default in (
+            ("REPLICADP_OFFLOAD", self.offload, Offload.NONE), ("REPLICADP_COMPILE", self.compile, "none"),
+            ("REPLICADP_QUANTIZE", self.quantize, Quantize.NONE)) if v != default}
+        if self.cache.method in (CacheMethod.FIRST_BLOCK, CacheMethod.MAG):
+            # Both decide from the transformer's output, of which each rank holds its own slice: ranks may disagree.
+            options["REPLICADP_CACHE"] = str(self.cache.method)
+        parallel.check(self.layout, devices=self.devices, device=self.device, options=options)
+        if self.rank == 0:
+            if not self.spec.startswith(RANDOM_PREFIX):
+                # In place before any follower looks (and before any rank joins: a model that transformers saves
+                # in a process group is written by its rank 0 alone, and `tiny` is saved on first use).
+                try:
+                    resolve_model(self.spec, self.model_cache)
+                except (OSError, ValueError) as exc:
+                    raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load: {exc}") from exc
+            self.port = parallel.free_port()
+            self.followers = Followers(self.layout, self.port, self.on_group_lost)
+        self.devices = [self.devices[self.rank]] if self.device == "cuda" else self.devices
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.devices[0])
+        parallel.join(self.rank, self.layout, self.port, self.devices[0], self.parallel_timeout_s)
 
     def _device_memory(self) -> tuple[list[int | None], str]:
         """Each device's memory for the weights, and where the figure comes from: a GPU's free memory at load, or
@@ -305,12 +364,21 @@ class PipelineHolder:
         marks: list[float] = []  # the ends of the first and the last denoising step, the GPU's work included
         last = req.num_inference_steps - 1
 
+        stopped: list[BaseException] = []  # what stopped the request at a step boundary (rank 0's on_step)
+
         def callback(pipe, step, timestep, callback_kwargs):
             if step in (0, last):  # only these two: a wait for the GPU at every step would drain its queue
                 self._synchronize()
                 marks.append(time.perf_counter())
             if on_step is not None:
-                on_step(step + 1, req.num_inference_steps)
+                try:
+                    on_step(step + 1, req.num_inference_steps)
+                except Exception as exc:  # a cancel: every rank must leave the call at this step
+                    stopped.append(exc)
+            if self.layout.size > 1 and parallel.agree(bool(stopped), self.devices[0]) and not stopped:
+                stopped.append(parallel.Stopped(f"rank 0 stopped the request at step {step + 1}"))
+            if stopped:
+                raise stopped[0]
             return callback_kwargs
 
         kwargs = dict(
@@ -336,7 +404,22 @@ class PipelineHolder:
                 self._i2v = WanImageToVideoPipeline.from_pipe(self.pipe)
                 self._i2v.set_progress_bar_config(disable=True)  # from_pipe does not carry it over
             pipe, kwargs["image"] = self._i2v, image
-        # 3. What this request alone changes on the shared pipeline: the fast path's step cache hooks, and a
+        # 3. A layout over several ranks (REPLICADP_PARALLEL) splits the video tokens evenly; rank 0 hands every
+        #    follower the request, and all run the same call.
+        if self.layout.size > 1:
+            tokens = video_tokens(self.pipe.transformer.config, height=req.height, width=req.width,
+                                  num_frames=req.num_frames, vae_spatial=self.pipe.vae_scale_factor_spatial,
+                                  vae_temporal=self.pipe.vae_scale_factor_temporal)
+            if tokens % self.layout.size:
+                raise InvalidRequest.of("height x width x num_frames", f"its {tokens} video tokens do not split "
+                                        f"over the replica's {self.layout.size} ranks (REPLICADP_PARALLEL="
+                                        f"{self.layout}); choose a size or frame count whose token count they divide",
+                                        value=f"{req.height}x{req.width}x{req.num_frames}")
+        if self.followers is not None:
+            if self.followers.lost is not None:
+                raise GroupLost(self.followers.lost)
+            self.followers.send(req, image)
+        # 4. What this request alone changes on the shared pipeline: the fast path's step cache hooks, and a
         #    two-expert request's own boundary (diffusers reads boundary_ratio from the pipeline's config). Both are
         #    undone at its end, also when it fails half-way: no such state outlives its request (step_cache.py).
         boundary = self.boundary_ratio
@@ -349,8 +432,12 @@ class PipelineHolder:
                 pipe.register_to_config(boundary_ratio=req.boundary_ratio)
             with torch.inference_mode():
                 frames = pipe(**kwargs).frames[0]
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-            if not is_out_of_memory(exc):
+        except Exception as exc:
+            if stopped and exc is stopped[0]:
+                raise
+            if self.layout.size > 1:  # the ranks may now be anywhere in the call: the group cannot go on
+                raise GroupLost(f"rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+            if not (isinstance(exc, (torch.OutOfMemoryError, MemoryError, RuntimeError)) and is_out_of_memory(exc)):
                 raise
             oom = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
@@ -360,17 +447,17 @@ class PipelineHolder:
                 for expert in experts(self.pipe):
                     expert.disable_cache()
         if oom is not None:
-            # 4. Out of memory fails this request only. Free its memory here, outside the except block: until
+            # 5. Out of memory fails this request only. Free its memory here, outside the except block: until
             # then the traceback keeps every frame of the pipeline, and with them the request's tensors.
             self.free_memory()
             raise OutOfMemory(f"height={req.height} width={req.width} num_frames={req.num_frames}: out of memory on "
                               f"{describe_device(self.device)} ({oom}); the replica serves on")
-        # 5. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
+        # 6. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
         frames = to_uint8(np.asarray(frames))
         expected = (req.num_frames, req.height, req.width, 3)
         if frames.shape != expected:
             raise RuntimeError(f"pipeline returned frames of shape {frames.shape}, expected {expected}")
-        # 6. What it cost. The first step's start is not observed: the loop time is extrapolated from the others.
+        # 7. What it cost. The first step's start is not observed: the loop time is extrapolated from the others.
         n = req.num_inference_steps
         dit_s = (marks[-1] - marks[0]) * n / (n - 1) if len(marks) == 2 else None
         self.last_run = RunStats(dit_s=dit_s, dit_flops=self.dit_flops(req), peak_memory_gib=self._peak_memory_gib())

@@ -79,6 +79,7 @@ class ReplicaInfo(TypedDict):
     cache: str  # the step cache fast requests run with (step_cache.StepCache), "none" without
     quantize: str  # the transformer's quantization (quantization.Quantize)
     offload: str  # where the models it is not running wait (memory.Offload)
+    parallel: str  # how its ranks split a request (parallel.Layout), "none" for one process
     pid: int
     load_s: float
     loaded_at: float

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .logs import LogFormat
 from .memory import Offload
+from .parallel import Layout
 from .quantization import Quantize
 from .scheduling import Scheduling
 from .step_cache import CacheMethod, mag_ratios_file
@@ -62,6 +63,13 @@ def _positive(name: str) -> float | None:
     if value is not None and not value > 0:
         raise SystemExit(f"replicadp: environment variable {name}={value} is not above 0")
     return value
+
+
+def _layout(name: str) -> Layout:
+    try:
+        return Layout.parse(os.environ.get(name, ""))
+    except ValueError as exc:
+        raise SystemExit(f"replicadp: environment variable {name}={os.environ[name]!r}: {exc}") from None
 
 
 def _bool(name: str, default: bool) -> bool:
@@ -136,6 +144,8 @@ class Settings:
     quantize: Quantize
     offload: Offload
     device_memory_gib: float | None
+    parallel: Layout
+    parallel_timeout_s: float
     deterministic: bool
     soft_time_limit_s: int
     time_limit_s: int
@@ -211,6 +221,12 @@ class Settings:
             # with another process, or to try a smaller GPU's limit on a larger one. Unset: what each has free at
             # load. On a CPU replica only the load-time check reads it.
             device_memory_gib=_positive("REPLICADP_DEVICE_MEMORY_GIB"),
+            # One replica over K processes (parallel.py), e.g. "ulysses:2": each request's transformer passes split
+            # over K GPUs, for a lower latency; N replicas x K GPUs. "none": one process, the default.
+            parallel=_layout("REPLICADP_PARALLEL"),
+            # Seconds a rank waits for another inside a collective, and for the group to form: past it the replica's
+            # attempt ends and its request is requeued. A collective waits one layer's compute, never a request's.
+            parallel_timeout_s=_positive("REPLICADP_PARALLEL_TIMEOUT") or 60.0,
             # The same input gives the same frames in every replica (determinism.py): the isolation check needs
             # it. 0 trades that for the libraries' fastest kernels (gpu_check.sh measures the difference).
             deterministic=_bool("REPLICADP_DETERMINISTIC", True),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from . import child, lease
 from .app import app
-from .errors import InvalidRequest, Parked, PoisonRequest, RequestCancelled, RequestIdConflict
+from .errors import GroupLost, InvalidRequest, Parked, PoisonRequest, RequestCancelled, RequestIdConflict
 from .images import load_first_frame
 from .keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
 from .lease import FenceAnswer, FenceState
@@ -32,6 +32,7 @@ log = logging.getLogger("replicadp")
 # small machine, and a GPU step takes ~0.2 s; a person, `status` and `health` need no more than this.
 PROGRESS_EVERY_S = 0.5
 EXIT_FENCED_OUT = 75  # the exit status of a pool child whose delivery lost its fence (EX_TEMPFAIL)
+EXIT_GROUP_LOST = 76  # ... whose multi-process group broke (parallel.GroupLost): its request is requeued
 
 
 @app.task(name="replicadp.generate", bind=True, Request="replicadp_tasks.worker:ReplicaRequest")
@@ -57,9 +58,14 @@ def generate(self, prompt=None, **kwargs) -> Result:
         return earlier
     me.fences.current = (delivery.fence, delivery.token)  # renewed by the fence keeper thread from now on
     try:
-        # 5. Run the pipeline and encode the MP4.
+        # 5. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request: it is
+        #    requeued as a killed replica's is, and the pool's next child rebuilds the group.
         delivery.tell(Event.STARTED)
-        video, result = delivery.run()
+        try:
+            video, result = delivery.run()
+        except GroupLost as exc:
+            log.error("request %s: %s; the pool child exits, the request is requeued", delivery.request_id, exc)
+            os._exit(EXIT_GROUP_LOST)
         # 6. Store it (the first delivery to store wins) and return its metadata.
         stored = delivery.store(video, result)
         delivery.tell(Event.COMPLETED, result=stored)

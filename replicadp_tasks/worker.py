@@ -40,8 +40,8 @@ from .lease import FenceKeeper, Keeper
 from .pipeline import PipelineHolder, describe_device
 from .records import ReplicaInfo
 from .settings import SETTINGS
-from .step_cache import StepCache
 from .store import open_store, outage_tolerant, sweep_forever
+from .tasks import EXIT_GROUP_LOST
 
 log = logging.getLogger("replicadp")
 
@@ -265,17 +265,20 @@ def _record_holder(request, **_):
         MAIN.keeper.hold(request.message.delivery_tag)
 
 
+def _end_attempt(why: str) -> None:
+    """A follower of this multi-process replica died (parallel.py): end this pool child as a killed one ends, so
+    that its request is requeued and the pool's next child rebuilds the group."""
+    log.error("replica %s: %s; the pool child exits, its request is requeued", MAIN.name, why)
+    os._exit(EXIT_GROUP_LOST)
+
+
 @signals.worker_process_init.connect
 def _load_then_consume(**_):
     """In the pool child: load the model, publish what this replica serves, then open the shared queue."""
     name = MAIN.name  # inherited from the main process at fork
     started = time.time()
     try:
-        pipeline = PipelineHolder(SETTINGS.model, model_cache=SETTINGS.model_cache, threads=SETTINGS.threads,
-                                  vae_tiling=SETTINGS.vae_tiling, attention=SETTINGS.attention,
-                                  compile=SETTINGS.compile, deterministic=SETTINGS.deterministic,
-                                  cache=StepCache.from_settings(SETTINGS), quantize=SETTINGS.quantize,
-                                  offload=SETTINGS.offload, memory_gib=SETTINGS.device_memory_gib)
+        pipeline = PipelineHolder.from_settings(SETTINGS, on_group_lost=_end_attempt)
         pipeline.load()
         store = open_store(SETTINGS)
     except Exception:
@@ -293,7 +296,7 @@ def _load_then_consume(**_):
                        requires_image=pipeline.requires_image, experts=pipeline.expert_count,
                        attention=SETTINGS.attention, compile=SETTINGS.compile, deterministic=SETTINGS.deterministic,
                        qualities=pipeline.qualities, cache=str(pipeline.cache), quantize=SETTINGS.quantize,
-                       offload=SETTINGS.offload, pid=os.getpid(), load_s=round(time.time() - started, 3),
+                       offload=SETTINGS.offload, parallel=str(SETTINGS.parallel), pid=os.getpid(), load_s=round(time.time() - started, 3),
                        loaded_at=time.time())
     log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
     # Publish what this replica serves, then ask the main process, which answers control commands from its

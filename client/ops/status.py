@@ -105,6 +105,7 @@ def snapshot() -> dict:
             "name": name, "model": info[name].get("model"), "device": info[name].get("device"),
             "serving": name in beats.serving, "qualities": info[name].get("qualities"),
             "fast_path": fast_path(info[name]), "offload": info[name].get("offload"),
+            "parallel": info[name].get("parallel"),
             "request_id": progress.get("request_id") or (running or {}).get("task_id"),
             "step": progress.get("step"), "total_steps": progress.get("total_steps"),
             "running_s": time.time() - running["started_at"] if running else None,
@@ -135,7 +136,9 @@ def table(snap: dict) -> Table:
         step = f"{r['step']}/{total}" if total else ("starting" if r["request_id"] else "idle")
         bar = ProgressBar(total=total, completed=r["step"] or 0, width=24) if total else ""
         running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
-        model = str(r["model"]) + (f" (offload {r['offload']})" if r["offload"] not in (None, "none") else "")
+        ways = [f"offload {r['offload']}" if r["offload"] not in (None, "none") else "",
+                r["parallel"] if r["parallel"] not in (None, "none") else ""]
+        model = str(r["model"]) + (f" ({', '.join(w for w in ways if w)})" if any(ways) else "")
         t.add_row(r["name"], str(r["device"]), model, r["fast_path"] or "-", "yes" if r["serving"] else "no",
                   str(r["request_id"] or "-"), bar, step, running)
     if not snap["replicas"]:
