@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from conftest import run_client_on, start_replicas
-from helpers import tiny_request_lasting, wait_for, wait_for_step
+from helpers import tiny_request_lasting, wait_for, wait_for_reload, wait_for_step
 from test_embedded import started_with
 from test_http import REPLICADP, gateway, post
 
@@ -169,3 +169,45 @@ def test_a_follower_killed_mid_request_ends_the_attempt_and_the_request_complete
     assert new_pid != info["pid"] and len(followers_of(new_pid)) == 1
     plain = run_client_on(k2.url, [{**request, "request_id": "without-a-kill"}], concurrency=1, timeout=120)[0]
     assert plain.ok and plain.result["frames_sha256"] == killed["frames_sha256"]
+
+
+@pytest.mark.cluster
+def test_a_follower_hung_mid_request_ends_the_attempt_past_the_timeout(redis_db, tiny_model, tmp_path):
+    """The follower rank SIGSTOPped while a request denoises (alive, but never answering): rank 0 waits in its
+    collective for REPLICADP_PARALLEL_TIMEOUT (3 s here), then its pool child exits; the stopped follower dies
+    with it (PDEATHSIG), the request is requeued and completes once on the rebuilt group."""
+    url = redis_db()
+    group = start_replicas(1, url, "ulysses2-hang", REPLICADP_PARALLEL="ulysses:2", REPLICADP_PARALLEL_TIMEOUT="3",
+                           OUTPUT_DIR=str(tmp_path))
+    app = SimpleNamespace(app=_app_for(url))
+    try:
+        request = {"prompt": "through a hang", **tiny_request_lasting(4, lambda r: run_client_on(
+            url, [r], concurrency=1, timeout=120)[0].result)}
+        result = app.app.send_task("replicadp.generate", kwargs=request)
+        info = wait_for_step(app, result.id, 1)
+        (follower,) = followers_of(info["pid"])
+        os.kill(follower, signal.SIGSTOP)
+        done = result.get(timeout=180)
+        gone = wait_for(lambda: not Path(f"/proc/{follower}").exists(), "the stopped follower to die", timeout=30)
+        attempts = int(redis.Redis.from_url(url).get(ATTEMPTS_KEY + result.id))
+    finally:
+        group.stop()
+    assert done["redelivered"] and attempts == 2 and gone
+    log = group.log_path.read_text()
+    assert f"request {result.id}: rank 0: RuntimeError: " in log and "Timed out waiting 3000ms" in log
+    assert "exited with 'exitcode 76'" in log  # EXIT_GROUP_LOST
+
+
+@pytest.mark.cluster
+def test_a_follower_killed_while_idle_rebuilds_the_group(k2):
+    """A follower SIGKILLed between requests: rank 0's watcher ends its pool child at once (no request waits on a
+    broken group), the pool's next child loads with a new follower, and the next request is served."""
+    client = redis.Redis.from_url(k2.url)
+    old = json.loads(client.get(REPLICA_KEY + k2.names[0]))["pid"]
+    (follower,) = followers_of(old)
+    os.kill(follower, signal.SIGKILL)
+    wait_for_reload(client, k2.names[0], old)
+    new = json.loads(client.get(REPLICA_KEY + k2.names[0]))["pid"]
+    assert len(followers_of(new)) == 1
+    served = run_client_on(k2.url, [REQUEST], concurrency=1, timeout=120)[0]
+    assert served.ok and served.result["execution"].split(":")[1] == str(new), served.error
