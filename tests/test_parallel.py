@@ -211,3 +211,23 @@ def test_a_follower_killed_while_idle_rebuilds_the_group(k2):
     assert len(followers_of(new)) == 1
     served = run_client_on(k2.url, [REQUEST], concurrency=1, timeout=120)[0]
     assert served.ok and served.result["execution"].split(":")[1] == str(new), served.error
+
+
+@pytest.mark.cluster
+def test_a_k2_run_is_checked_against_a_one_process_baseline(k2, replicas, redis_server, tmp_path):
+    """A baseline recorded on the session's one-process replicas (it records each input's `served`), checked with
+    `--tolerance-psnr` against a run on the K=2 replica: every input is found across the layouts (none unknown,
+    although the K=2 results' input keys differ from the baseline's) and passes, bit for bit or by PSNR."""
+    baseline, report = tmp_path / "k1.json", tmp_path / "k2.json"
+    bench = [REPLICADP, "bench", "--num-requests", "4", "--size", "64x64", "--num-frames", "5", "--steps", "4",
+             "--concurrency", "1", "--warmup", "0"]
+    one = subprocess.run([*bench, "--write-baseline", str(baseline)], env={**os.environ, "REDIS_URL": redis_server.url},
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout + one.stderr
+    entries = json.loads(baseline.read_text())["entries"]
+    assert len(entries) == 4 and all(e["served"] == {} for e in entries.values())
+    two = subprocess.run([*bench, "--check-baseline", str(baseline), "--tolerance-psnr", "40", "--json", str(report)],
+                         env={**os.environ, "REDIS_URL": k2.url}, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stdout + two.stderr
+    iso = json.loads(report.read_text())["isolation"]
+    assert iso["unknown"] == 0 and iso["matched"] + iso["tolerated"] == 4 and iso["passed"], iso

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from replicadp_tasks.validate import input_key
 from replicadp_tasks.video import decode_mp4
 
 from ..api import Outcome, fetch_video
@@ -87,10 +88,16 @@ def write_baseline(path: Path, outcomes: list[Outcome], fmt: BaselineFormat = Ba
             "prompt": o.request["prompt"], "seed": o.request["seed"], "params": o.result["params"],
             "model": o.result["model"], "frames_sha256": o.result["frames_sha256"],
             "video_sha256": o.result["video_sha256"], "replica": o.result["replica"],
-            "video": f"{videos.name}/{key}.mp4",
+            "served": o.result.get("served") or {}, "video": f"{videos.name}/{key}.mp4",
         }
     path.write_text(json.dumps({"version": 2, "entries": entries}, indent=1, sort_keys=True))
     return {"format": fmt.value, "recorded": len(entries), "failed": len(outcomes) - len(entries)}
+
+
+def layout_free_key(params: dict, model: str, served: dict) -> str:
+    """An input's key as a deployment of one process would have it: a replica over several ranks
+    (REPLICADP_PARALLEL) puts its layout in the input's identity, as its rounding may differ, not its input."""
+    return input_key(params, model, {k: v for k, v in served.items() if k != "parallel"})
 
 
 def psnr_db(a: np.ndarray, b: np.ndarray) -> float:
@@ -112,11 +119,17 @@ def check_baseline(path: Path, outcomes: list[Outcome], tolerance_psnr: float | 
         return check_vllm_omni_baseline(entries, outcomes)
     counts = {"matched": 0, "tolerated": 0, "mismatched": 0, "unknown": 0, "unverified": 0}
     mismatches = []
+    # Across layouts (a baseline of one process, a run over two ranks, or the other way): the same input.
+    by_input = {layout_free_key(e["params"], e["model"], e.get("served") or {}): k for k, e in entries.items()}
     for o in outcomes:
         if not o.ok:
             counts["unverified"] += 1  # no output to compare: the request failed
             continue
-        base = entries.get(o.result["input_key"])
+        key = o.result["input_key"]
+        if key not in entries:
+            key = by_input.get(layout_free_key(o.result["params"], o.result["model"], o.result.get("served") or {}),
+                               key)
+        base = entries.get(key)
         if base is None:
             counts["unknown"] += 1  # an input the baseline never saw
             continue
@@ -124,7 +137,7 @@ def check_baseline(path: Path, outcomes: list[Outcome], tolerance_psnr: float | 
         if not differ:
             counts["matched"] += 1
             continue
-        own_db, other_db, other = closeness(path, entries, o.result["input_key"], decode_mp4(fetch_video(o.result)))
+        own_db, other_db, other = closeness(path, entries, key, decode_mp4(fetch_video(o.result)))
         closer = "unknown" if own_db is None else "own" if own_db > other_db else "other"
         tolerated = tolerance_psnr is not None and closer == "own" and own_db >= tolerance_psnr
         counts["tolerated" if tolerated else "mismatched"] += 1
