@@ -1,9 +1,11 @@
-"""Chaos benchmark: a batch against real replicas while pool children, whole replicas and Redis are killed at
-random moments, replicas are stopped (SIGSTOP, then SIGCONT: a frozen or partitioned host) and malformed
+"""Chaos benchmark: a batch against real replicas while pool children, whole replicas, follower ranks (with
+--parallel) and Redis are killed at random moments, replicas are stopped (SIGSTOP, then SIGCONT: a frozen or partitioned host) and malformed
 messages are pushed onto the queue. Prints requests submitted / completed / failed / lost / computed more than
 once, and the recovery time of each kind of fault (median and max); writes JSON.
 
     .venv/bin/python bench/chaos.py --replicas 3 --requests 60 --out bench-results/chaos.json
+    .venv/bin/python bench/chaos.py --replicas 2 --parallel ulysses:2 --faults follower,child,redis \
+        --out bench-results/chaos-parallel.json                                       # replicas of 2 ranks
 
 Recovery time of a fault: from the kill or stop until the request it interrupted has completed (a child or
 replica kill, a stop), or until the next request completes (a Redis kill: the server is down for `--redis-down`
@@ -42,7 +44,7 @@ from replicadp_tasks.records import RequestState  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
 from replicadp_tasks.store import outage_tolerant  # noqa: E402
 
-FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both")
+FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower")
 # Messages that each crashed a replica's main process, looped its consumer or were never answered, before
 # replicas checked what they pop (replicadp_tasks/message.py).
 POISON = (b"{not json", b"[1, 2, 3]",
@@ -57,6 +59,17 @@ POISON = (b"{not json", b"[1, 2, 3]",
 
 def parent_of(pid: int) -> int:
     return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if parent_of(int(proc.name)) == pid:
+                found.append(int(proc.name))
+        except (OSError, IndexError):  # gone meanwhile
+            pass
+    return found
 
 
 def wait_serving(names: list[str], timeout: float = 120.0) -> int:
@@ -142,6 +155,12 @@ class Chaos:
             finally:
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
+        elif kind == "follower":  # a rank of a replica over several (REPLICADP_PARALLEL)
+            followers = [pid for pid in children_of(child) if b"replicadp_tasks.follower" in
+                         Path(f"/proc/{pid}/cmdline").read_bytes()]
+            if not followers:
+                raise ValueError(f"{info['replica']} runs no follower rank now (its group may be rebuilding)")
+            os.kill(self.rng.choice(followers), signal.SIGKILL)
         else:
             os.kill(child if kind == "child" else main, signal.SIGKILL)
         self.faults.append(fault)
@@ -158,17 +177,24 @@ class Chaos:
 @click.option("--redis-down", default=2.0, show_default=True, help="Seconds Redis stays down when killed.")
 @click.option("--stop", "stop_s", default=15.0, show_default=True,
               help="Seconds a stopped replica stays stopped (more than the 6 s lease: its requests are requeued).")
-@click.option("--faults", "kinds", default=",".join(FAULTS), show_default=True, help="Kinds of fault to draw from.")
+@click.option("--faults", "kinds", default=",".join(f for f in FAULTS if f != "follower"), show_default=True,
+              help=f"Kinds of fault to draw from: {', '.join(FAULTS)}.")
+@click.option("--parallel", default="none", show_default=True,
+              help="REPLICADP_PARALLEL of the replicas (ulysses:2: each replica two processes; the follower fault).")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds after which a request counts as lost.")
 @click.option("--out", default="bench-results/chaos.json", show_default=True, type=click.Path(path_type=Path))
-def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, kinds, seed, timeout, out):
+def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, kinds, parallel, seed, timeout,
+         out):
     console = Console(width=None if sys.stdout.isatty() else 160)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the replicas, remove the run folder
     width, height = size
     kinds = tuple(k for k in kinds.split(",") if k)
     if not set(kinds) <= set(FAULTS):
         raise click.BadParameter(f"{kinds}: each must be one of {FAULTS}", param_hint="--faults")
+    if "follower" in kinds and parallel == "none":
+        raise click.BadParameter("the follower fault needs replicas of several ranks: --parallel ulysses:2",
+                                 param_hint="--faults")
     run_dir = Path(tempfile.mkdtemp(prefix="replicadp-chaos-"))
     server = EmbeddedServer(run_dir / "redis")
     chaos, outcomes, serving, twice = None, [], 0, 0
@@ -179,7 +205,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
         (run_dir / "tmp").mkdir()
         group = Replicas(n, redis_url=url, model="tiny", threads=1, log_path=run_dir / "replicas.log",
                          env={"OUTPUT_DIR": str(run_dir / "out"), "REPLICADP_MAX_ATTEMPTS": "5",
-                              "TMPDIR": str(run_dir / "tmp")}).start()
+                              "TMPDIR": str(run_dir / "tmp"), "REPLICADP_PARALLEL": parallel}).start()
         try:
             # Every priority and four users (one unnamed) mixed: requeues go back to the head of their own
             # priority's list, and the round robin places each new request among them.
@@ -226,7 +252,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
     failed = [o for o in outcomes if not o.ok and not o.error.startswith("timed out")]
     lost = count - sum(o.ok for o in outcomes) - len(failed)
     report = {
-        "replicas": n, "requests": count, "size": f"{width}x{height}", "num_frames": num_frames, "steps": steps,
+        "replicas": n, "parallel": parallel, "requests": count, "size": f"{width}x{height}", "num_frames": num_frames, "steps": steps,
         "interval_s": interval, "redis_down_s": redis_down, "seed": seed, "elapsed_s": round(elapsed, 1),
         "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
         "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),
