@@ -119,6 +119,16 @@ def tiny_model():
     return Path(resolve_model("tiny", Path(os.environ["REPLICADP_MODEL_CACHE"])))
 
 
+@pytest.fixture(scope="session")
+def model_cache(tiny_model):
+    """The session's model cache, with every tiny stand-in built in it (tiny, tiny-wan2.1, tiny-a14b, ...)."""
+    from replicadp_tasks.pipeline import TINY_SPECS, resolve_model
+
+    for spec in TINY_SPECS:
+        resolve_model(spec, tiny_model.parent)
+    return tiny_model.parent
+
+
 def start_replicas(n: int, redis_url: str, name: str, model: str = "tiny", **env) -> Replicas:
     """`n` replicas (one CPU thread each) of `model` on `redis_url`, started and serving; `env`: their settings."""
     if not _RUNNING["cluster"]:

@@ -115,3 +115,12 @@ def served_by_each(names, request: dict, batches: int = 10) -> None:
         if seen >= set(names):
             return
     raise AssertionError(f"{sorted(set(names) - seen)} served none of {4 * batches} requests")
+
+
+def holder(spec: str, model_cache, **options):
+    """A loaded pipeline holder (replicadp_tasks.pipeline.PipelineHolder) of `spec`; `options`: its settings."""
+    from replicadp_tasks.pipeline import PipelineHolder
+
+    h = PipelineHolder(spec, model_cache=model_cache, **options)
+    h.load()
+    return h

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,11 +21,12 @@ from PIL import Image
 
 from client.bench.describe import figures
 from conftest import run_client_on, start_replicas
+from helpers import holder
 from test_http import REPLICADP, gateway, post
 
 from replicadp_tasks.architectures import ARCHITECTURES, architecture_of, describe, dit_flops, reference_flops
 from replicadp_tasks.errors import InvalidRequest, ModelLoadError
-from replicadp_tasks.pipeline import PipelineHolder, place, resolve_model
+from replicadp_tasks.pipeline import PipelineHolder, place
 from replicadp_tasks.validate import validate_request
 
 REQUEST = {"prompt": "a red fox in snow", "seed": 3, "height": 64, "width": 64, "num_frames": 5,
@@ -42,21 +42,6 @@ PUBLISHED = {
     "wan2.2-t2v-a14b": dict(in_channels=16, boundary_ratio=0.875, flow_shift=12.0, guidance=(4.0, 3.0)),
     "wan2.2-i2v-a14b": dict(in_channels=36, boundary_ratio=0.900, flow_shift=5.0, guidance=(3.5, 3.5)),
 }
-
-
-@pytest.fixture(scope="module")
-def model_cache():
-    """The two tiny stand-ins, built once into the session's model cache (as conftest's `tiny_model`)."""
-    cache = Path(os.environ["REPLICADP_MODEL_CACHE"])
-    for spec in ("tiny-a14b", "tiny-i2v-a14b"):
-        resolve_model(spec, cache)
-    return cache
-
-
-def holder(spec: str, cache: Path) -> PipelineHolder:
-    h = PipelineHolder(spec, model_cache=cache)
-    h.load()
-    return h
 
 
 @pytest.fixture(scope="module")

@@ -8,23 +8,22 @@ with the options run in test_experts.py (its `served` fixture).
 On a CPU replica the options' moves go from the CPU to the CPU: these tests prove the bookkeeping, the hooks'
 order and the outputs; what each option saves on a GPU is scripts/gpu_check.sh's memory step."""
 
-import os
 import re
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from helpers import holder
 from test_embedded import started_with
 from test_http import REPLICADP
 
 from replicadp_tasks.architectures import architecture, build_components, build_tokenizer
 from replicadp_tasks.errors import ModelLoadError
 from replicadp_tasks.memory import Offload, block_bytes, check, models_of, needs, weight_bytes
-from replicadp_tasks.pipeline import PipelineHolder, placement, resolve_model
+from replicadp_tasks.pipeline import PipelineHolder, placement
 from replicadp_tasks.quantization import Quantize
 from replicadp_tasks.step_cache import CacheMethod, StepCache, count_block_work
 from replicadp_tasks.validate import validate_request
@@ -32,20 +31,6 @@ from replicadp_tasks.validate import validate_request
 REQUEST = {"prompt": "a lighthouse at dusk", "seed": 5, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 6}
 GIB = 2**30
-
-
-@pytest.fixture(scope="module")
-def model_cache():
-    cache = Path(os.environ["REPLICADP_MODEL_CACHE"])
-    for spec in ("tiny", "tiny-a14b"):
-        resolve_model(spec, cache)
-    return cache
-
-
-def loaded(spec: str, model_cache: Path, **options) -> PipelineHolder:
-    h = PipelineHolder(spec, model_cache=model_cache, **options)
-    h.load()
-    return h
 
 
 def frames_of(h: PipelineHolder, image=None, **fields) -> np.ndarray:
@@ -62,7 +47,7 @@ def test_each_option_keeps_what_it_says_on_the_gpu(model_cache):
     """On the tiny two-expert stand-in: `none` needs every model, `expert` all but transformer_2, `model` the
     largest model alone, `group` the largest of each model's non-block weights plus two of its blocks (the one
     running and the one prefetched), a model that names its own block modules (the VAE) whole."""
-    models = models_of(loaded("tiny-a14b", model_cache).pipe)
+    models = models_of(holder("tiny-a14b", model_cache).pipe)
     size = {name: weight_bytes(m) for name, m in models.items()}
     assert set(size) == {"text_encoder", "transformer", "transformer_2", "vae"}
     assert need_of(models, Offload.NONE) == sum(size.values())
@@ -90,7 +75,7 @@ def test_an_option_the_device_cannot_hold_is_refused_by_name(model_cache):
     REPLICADP_OFFLOAD's value, the need (in total and by model), the device, what it has and where that figure
     came from, and the options that would fit; given exactly its need, it loads. With nothing that fits, the error
     says so."""
-    models = models_of(loaded("tiny-a14b", model_cache).pipe)
+    models = models_of(holder("tiny-a14b", model_cache).pipe)
     where = placement(list(models), 1)
     for offload in Offload:
         need = need_of(models, offload)
@@ -116,22 +101,22 @@ def test_options_that_cannot_serve_the_deployment_are_refused(model_cache):
     MagCache (its ratios are calibrated on one transformer). REPLICADP_DEVICE_MEMORY_GIB on a CPU replica is checked
     against the estimate, and the error names the setting as the figure's source."""
     with pytest.raises(ModelLoadError, match=r"REPLICADP_OFFLOAD=expert: the model has one transformer"):
-        loaded("tiny", model_cache, offload=Offload.EXPERT)
-    models = models_of(loaded("tiny-a14b", model_cache).pipe)
+        holder("tiny", model_cache, offload=Offload.EXPERT)
+    models = models_of(holder("tiny-a14b", model_cache).pipe)
     with pytest.raises(ModelLoadError, match=r"REPLICADP_OFFLOAD=model: offloading serves a replica of one GPU; "
                                              r"this one has 2 \(GPUS_PER_REPLICA\)"):
         check(models, Offload.MODEL, ["cuda:0", "cuda:1"], [None, None], placement(list(models), 2), True, "")
     for options, setting in (({"quantize": Quantize.FP8}, "REPLICADP_QUANTIZE=fp8"),
                              ({"compile": "blocks"}, "REPLICADP_COMPILE=blocks")):
         with pytest.raises(ModelLoadError, match=f"REPLICADP_OFFLOAD=group cannot be combined with {setting}"):
-            loaded("tiny-a14b", model_cache, offload=Offload.GROUP, **options)
+            holder("tiny-a14b", model_cache, offload=Offload.GROUP, **options)
     with pytest.raises(ModelLoadError, match=r"REPLICADP_CACHE=mag: MagCache's ratios are calibrated on one "
                                              r"transformer, and 'tiny-a14b' has two experts"):
-        loaded("tiny-a14b", model_cache, cache=StepCache(CacheMethod.MAG, threshold=0.06, mag_ratios=(1.0, 1.0)))
+        holder("tiny-a14b", model_cache, cache=StepCache(CacheMethod.MAG, threshold=0.06, mag_ratios=(1.0, 1.0)))
     with pytest.raises(ModelLoadError, match=re.escape("and cpu has 0.10 MiB (REPLICADP_DEVICE_MEMORY_GIB=0.0001); "
                                                        "REPLICADP_OFFLOAD=group needs 0.10 MiB")):
-        loaded("tiny-a14b", model_cache, memory_gib=0.0001)
-    assert loaded("tiny-a14b", model_cache, offload=Offload.GROUP, memory_gib=0.0001).pipe is not None
+        holder("tiny-a14b", model_cache, memory_gib=0.0001)
+    assert holder("tiny-a14b", model_cache, offload=Offload.GROUP, memory_gib=0.0001).pipe is not None
 
 
 def test_no_option_changes_the_frames(model_cache):
@@ -139,13 +124,13 @@ def test_no_option_changes_the_frames(model_cache):
     stand-in (the expert swapped in at the boundary, and back at the next request's start: seed 5 again after 6),
     and on the TI2V one, with and without a first frame (its image-to-video view shares the offloaded models)."""
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8))
-    a14b = {o: loaded("tiny-a14b", model_cache, offload=o) for o in Offload}
+    a14b = {o: holder("tiny-a14b", model_cache, offload=o) for o in Offload}
     want = {seed: frames_of(a14b[Offload.NONE], seed=seed) for seed in (5, 6)}
     assert not np.array_equal(want[5], want[6])
     for offload, h in a14b.items():
         for seed in (5, 6, 5):
             assert np.array_equal(frames_of(h, seed=seed), want[seed]), offload
-    ti2v = {o: loaded("tiny", model_cache, offload=o) for o in (Offload.NONE, Offload.MODEL, Offload.GROUP)}
+    ti2v = {o: holder("tiny", model_cache, offload=o) for o in (Offload.NONE, Offload.MODEL, Offload.GROUP)}
     plain, with_image = frames_of(ti2v[Offload.NONE]), frames_of(ti2v[Offload.NONE], image)
     assert not np.array_equal(plain, with_image)
     for offload, h in ti2v.items():
@@ -157,7 +142,7 @@ def test_the_fast_path_caches_both_experts(model_cache):
     """A fast request on the two-expert stand-in runs the step cache on each expert: with FirstBlockCache at its
     loosest threshold, each expert computes fewer blocks than on the exact path, and a standard request after it
     gives the exact frames again (no cache state outlives the request)."""
-    h = loaded("tiny-a14b", model_cache, cache=StepCache.of(CacheMethod.FIRST_BLOCK, threshold=1.0))
+    h = holder("tiny-a14b", model_cache, cache=StepCache.of(CacheMethod.FIRST_BLOCK, threshold=1.0))
     calls = {name: count_block_work(getattr(h.pipe, name)) for name in ("transformer", "transformer_2")}
 
     def blocks(**fields):
