@@ -34,6 +34,16 @@ def size_param(ctx, param, value: str) -> tuple[int, int]:
         raise click.BadParameter(str(exc).removeprefix(f"{exc.field}=")) from None
 
 
+def layout_param(ctx, param, value: str):
+    """A click callback: a REPLICADP_PARALLEL layout (replicadp_tasks.parallel.Layout)."""
+    from replicadp_tasks.parallel import Layout
+
+    try:
+        return Layout.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def user_param(ctx, param, value: str | None) -> str | None:
     """A click callback: a request's user, checked as a replica checks it."""
     try:
@@ -713,9 +723,11 @@ def calibrate_mag_cmd(model, size, num_frames, steps, prompts, out):
               help="GPUs per replica (GPUS_PER_REPLICA), for the memory check.")
 @click.option("--gpu-memory-gib", default=GPU_MEMORY_GIB, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Each GPU's memory, for the memory check.")
+@click.option("--parallel", "layout", default="none", envvar="REPLICADP_PARALLEL", show_default=True,
+              show_envvar=True, callback=layout_param, help="A layout over K ranks: each rank's share.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), callback=json_to,
               help="Write the figures as JSON to this file, or to stdout with - (the table then goes to stderr).")
-def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_gib, json_out):
+def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_gib, layout, json_out):
     """Each component's parameter count and size, built on the meta device (nothing is allocated), each
     transformer expert's FLOPs per request, and whether the replica's GPUs hold the weights. SPEC: random:ARCH
     (or ARCH), or a tiny spec (tiny, tiny-wan2.1, tiny-a14b, tiny-i2v-a14b)."""
@@ -726,7 +738,7 @@ def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC")
     fig = figures(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps, peak_tflops=peak_tflops,
-                  gpus=gpus, gpu_memory_gib=gpu_memory_gib)
+                  gpus=gpus, gpu_memory_gib=gpu_memory_gib, layout=layout)
     print_figures(fig)
     if json_out:
         write_json(json_out, fig)

@@ -2,13 +2,15 @@
 replica's pool child (rank 0) with this rank's place in the environment.
 
 It loads the same pipeline as rank 0 (the same settings: the same environment), joins the group, then runs every
-request rank 0 hands it on stdin, one JSON line each, and throws the frames away: rank 0 encodes and stores. It
+request rank 0 hands it on stdin, one JSON line each, up to the latents: rank 0 decodes, encodes and stores. It
 exits when its stdin closes (rank 0 ended it), when rank 0 dies (PDEATHSIG), and on any error (rank 0 sees it
-exit and ends the replica's attempt: parallel.GroupLost)."""
+exit and ends the replica's attempt: parallel.GroupLost), after reporting an out of memory to rank 0, which fails
+the request instead (parallel.Report)."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -27,19 +29,26 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/follower] %(message)s")
     rank = int(os.environ[parallel.RANK_ENV])
     # 2. The same pipeline as rank 0, in the group.
+    from .errors import OutOfMemory
     from .pipeline import PipelineHolder
     from .settings import SETTINGS
 
-    holder = PipelineHolder.from_settings(SETTINGS, rank=rank, port=int(os.environ[parallel.PORT_ENV]))
+    holder = PipelineHolder.from_settings(SETTINGS, rank=rank, store_path=os.environ[parallel.STORE_ENV])
     holder.load()
     logging.getLogger("replicadp").info("rank %d of %s loaded %r", rank, SETTINGS.parallel, SETTINGS.model)
-    # 3. Each request rank 0 hands over, until it closes stdin.
+    # 3. Each request rank 0 hands over, until it closes stdin. Out of memory here breaks the group as any error
+    #    does, but fails the request instead of requeueing it (it would fail again): said to rank 0 before exiting.
     for line in sys.stdin:
         req, image = parallel.decode_work(line)
         try:
             holder.generate(req, image)
         except parallel.Stopped:
             continue
+        except OutOfMemory as exc:
+            logging.getLogger("replicadp").error("rank %d: %s; exits", rank, exc)
+            with os.fdopen(int(os.environ[parallel.REPORT_FD_ENV]), "w") as report:
+                report.write(json.dumps(parallel.Report(out_of_memory=holder.group_broken)))
+            return 1
     return 0
 
 

@@ -102,8 +102,8 @@ class PipelineHolder:
                  attention: str = "native", compile: str = "none", deterministic: bool = True,
                  cache: StepCache = StepCache(CacheMethod.NONE), quantize: Quantize = Quantize.NONE,
                  offload: Offload = Offload.NONE, memory_gib: float | None = None, layout: Layout = Layout(),
-                 rank: int = 0, port: int | None = None, parallel_timeout_s: float = 60.0,
-                 on_group_lost: Callable[[str], None] | None = None):
+                 rank: int = 0, store_path: str | None = None, parallel_timeout_s: float = 60.0,
+                 load_timeout_s: float = 900.0, on_group_lost: Callable[[str], None] | None = None):
         self.spec = spec
         self.model_cache = model_cache
         self.threads = threads
@@ -118,10 +118,15 @@ class PipelineHolder:
         # REPLICADP_PARALLEL (parallel.py): this process is `rank` of the layout's ranks; rank 0 starts the others.
         self.layout = layout
         self.rank = rank
-        self.port = port
+        self.store_path = store_path  # the group's rendezvous file (parallel.new_store), made by rank 0
         self.parallel_timeout_s = parallel_timeout_s
+        self.load_timeout_s = load_timeout_s  # also how long the ranks wait for each other to start
         self.on_group_lost = on_group_lost
         self.followers: Followers | None = None
+        self.guidance: parallel.GuidanceSplit | None = None  # cfg:2's split of each step's two passes
+        # Why this replica's group of ranks cannot serve another request (out of memory on a rank mid-request left
+        # them apart): its pool child ends before the next request is counted (tasks.py), and the next one rebuilds.
+        self.group_broken: str | None = None
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
@@ -136,7 +141,8 @@ class PipelineHolder:
                    vae_tiling=settings.vae_tiling, attention=settings.attention, compile=settings.compile,
                    deterministic=settings.deterministic, cache=StepCache.from_settings(settings),
                    quantize=settings.quantize, offload=settings.offload, memory_gib=settings.device_memory_gib,
-                   layout=settings.parallel, parallel_timeout_s=settings.parallel_timeout_s, **kwargs)
+                   layout=settings.parallel, parallel_timeout_s=settings.parallel_timeout_s,
+                   load_timeout_s=settings.load_timeout_s, **kwargs)
 
     @property
     def size_multiple(self) -> int:
@@ -187,7 +193,8 @@ class PipelineHolder:
 
     def served(self, quality: Quality) -> dict:
         """What about this deployment changes a request's output besides its inputs and the model: the step cache
-        (fast requests), a layout over several ranks (its gathers may round otherwise) and the quantization. Part of the input's identity (validate.input_key) and its Result."""
+        (fast requests), a layout over several ranks (ring's merge rounds otherwise) and the quantization. Part of
+        the input's identity (validate.input_key) and its Result."""
         served = {"cache": str(self.cache)} if quality == Quality.FAST else {}
         served |= {"parallel": str(self.layout)} if self.layout.size > 1 else {}
         return served | ({"quantize": str(self.quantize)} if self.quantize != Quantize.NONE else {})
@@ -275,7 +282,7 @@ class PipelineHolder:
         if self.layout.size > 1:
             parallel.check_heads(self.layout, pipe.transformer.config.num_attention_heads)
             try:
-                parallel.enable(experts(pipe), self.layout)
+                self.guidance = parallel.enable(experts(pipe), self.layout, self.devices[0])
             except ValueError as exc:  # an attention backend without context parallelism
                 raise ModelLoadError(f"REPLICADP_PARALLEL={self.layout} with REPLICADP_ATTENTION={self.attention!r}: "
                                      f"{exc}") from exc
@@ -296,10 +303,14 @@ class PipelineHolder:
         options = {s: str(v) for s, v, default in (
             ("REPLICADP_OFFLOAD", self.offload, Offload.NONE), ("REPLICADP_COMPILE", self.compile, "none"),
             ("REPLICADP_QUANTIZE", self.quantize, Quantize.NONE)) if v != default}
-        if self.cache.method in (CacheMethod.FIRST_BLOCK, CacheMethod.MAG):
-            # Both decide from the transformer's output, of which each rank holds its own slice: ranks may disagree.
+        if self.cache.method in (CacheMethod.FIRST_BLOCK, CacheMethod.MAG) or (
+                self.layout.cfg > 1 and self.cache.method != CacheMethod.NONE):
+            # FirstBlock and Mag decide from the transformer's output, of which each sequence rank holds its own
+            # slice: ranks may disagree. Every cache keeps its state per pass ("cond", "uncond"), and a cfg rank 1
+            # runs the unconditional pass in the conditional one's context.
             options["REPLICADP_CACHE"] = str(self.cache.method)
-        parallel.check(self.layout, devices=self.devices, device=self.device, options=options)
+        parallel.check(self.layout, devices=self.devices, device=self.device, attention=self.attention,
+                       options=options)
         if self.rank == 0:
             if not self.spec.startswith(RANDOM_PREFIX):
                 # In place before any follower looks (and before any rank joins: a model that transformers saves
@@ -308,14 +319,15 @@ class PipelineHolder:
                     resolve_model(self.spec, self.model_cache)
                 except (OSError, ValueError) as exc:
                     raise ModelLoadError(f"REPLICADP_MODEL={self.spec!r}: cannot load: {exc}") from exc
-            self.port = parallel.free_port()
-            self.followers = Followers(self.layout, self.port, self.on_group_lost)
+            self.store_path = parallel.new_store()
+            self.followers = Followers(self.layout, self.store_path, self.on_group_lost)
         self.devices = [self.devices[self.rank]] if self.device == "cuda" else self.devices
         if self.device == "cuda":
             import torch
 
             torch.cuda.set_device(self.devices[0])
-        parallel.join(self.rank, self.layout, self.port, self.devices[0], self.parallel_timeout_s)
+        parallel.join(self.rank, self.layout, self.store_path, self.devices[0], self.parallel_timeout_s,
+                      self.load_timeout_s)
 
     def _device_memory(self) -> tuple[list[int | None], str]:
         """Each device's memory for the weights, and where the figure comes from: a GPU's free memory at load, or
@@ -349,8 +361,8 @@ class PipelineHolder:
         return shortfall(models, Offload.NONE, self.devices, have, where, streamed=False) is None
 
     def generate(self, req: GenerateRequest, image=None,
-                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """Run one request; return uint8 frames shaped (num_frames, height, width, 3).
+                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray | None:
+        """Run one request; return uint8 frames shaped (num_frames, height, width, 3) (None on a follower rank).
 
         `image` is a PIL first frame: optional for TI2V, required for I2V (InvalidRequest naming `image` without
         one); `on_step(step, total)` is called after each denoising step.
@@ -385,7 +397,8 @@ class PipelineHolder:
             prompt=req.prompt, negative_prompt=req.negative_prompt, height=req.height, width=req.width,
             num_frames=req.num_frames, num_inference_steps=req.num_inference_steps,
             guidance_scale=req.guidance_scale, max_sequence_length=req.max_sequence_length,
-            generator=generator, output_type="np", callback_on_step_end=callback,
+            # A follower's frames would be thrown away: it stops at the latents (the VAE decode has no collective).
+            generator=generator, output_type="np" if self.rank == 0 else "latent", callback_on_step_end=callback,
         )
         if req.guidance_scale_2 is not None:
             kwargs["guidance_scale_2"] = req.guidance_scale_2
@@ -404,15 +417,15 @@ class PipelineHolder:
                 self._i2v = WanImageToVideoPipeline.from_pipe(self.pipe)
                 self._i2v.set_progress_bar_config(disable=True)  # from_pipe does not carry it over
             pipe, kwargs["image"] = self._i2v, image
-        # 3. A layout over several ranks (REPLICADP_PARALLEL) splits the video tokens evenly; rank 0 hands every
-        #    follower the request, and all run the same call.
-        if self.layout.size > 1:
+        # 3. A layout over several ranks (REPLICADP_PARALLEL) splits the video tokens evenly over its sequence
+        #    ranks; rank 0 hands every follower the request, and all run the same call.
+        if self.layout.sequence > 1:
             tokens = video_tokens(self.pipe.transformer.config, height=req.height, width=req.width,
                                   num_frames=req.num_frames, vae_spatial=self.pipe.vae_scale_factor_spatial,
                                   vae_temporal=self.pipe.vae_scale_factor_temporal)
-            if tokens % self.layout.size:
+            if tokens % self.layout.sequence:
                 raise InvalidRequest.of("height x width x num_frames", f"its {tokens} video tokens do not split "
-                                        f"over the replica's {self.layout.size} ranks (REPLICADP_PARALLEL="
+                                        f"over the replica's {self.layout.sequence} sequence ranks (REPLICADP_PARALLEL="
                                         f"{self.layout}); choose a size or frame count whose token count they divide",
                                         value=f"{req.height}x{req.width}x{req.num_frames}")
         if self.followers is not None:
@@ -431,16 +444,28 @@ class PipelineHolder:
             if req.boundary_ratio is not None:
                 pipe.register_to_config(boundary_ratio=req.boundary_ratio)
             with torch.inference_mode():
+                if self.guidance is not None:
+                    self._split_guidance(pipe, req, kwargs)
                 frames = pipe(**kwargs).frames[0]
         except Exception as exc:
             if stopped and exc is stopped[0]:
                 raise
-            if self.layout.size > 1:  # the ranks may now be anywhere in the call: the group cannot go on
-                raise GroupLost(f"rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]}") from exc
-            if not (isinstance(exc, (torch.OutOfMemoryError, MemoryError, RuntimeError)) and is_out_of_memory(exc)):
+            if is_out_of_memory(exc):
+                oom = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            if self.layout.size > 1:
+                # The ranks may now be anywhere in the call: the group cannot go on. Out of memory on any rank fails
+                # the request all the same (it would fail again), and the group is rebuilt before the next one.
+                oom = f"rank {self.rank}: {oom}" if oom else self.followers and self.followers.out_of_memory()
+                if not oom:
+                    raise GroupLost(f"rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+                self.group_broken = oom
+                if self.followers is not None:
+                    self.followers.close(kill=True)
+            elif oom is None:
                 raise
-            oom = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         finally:
+            if self.guidance is not None:
+                self.guidance.reset()
             if req.boundary_ratio is not None:
                 pipe.register_to_config(boundary_ratio=boundary)
             if req.quality == Quality.FAST:
@@ -451,7 +476,10 @@ class PipelineHolder:
             # then the traceback keeps every frame of the pipeline, and with them the request's tensors.
             self.free_memory()
             raise OutOfMemory(f"height={req.height} width={req.width} num_frames={req.num_frames}: out of memory on "
-                              f"{describe_device(self.device)} ({oom}); the replica serves on")
+                              f"{describe_device(self.device)} ({oom}); the replica serves on"
+                              + (" once its ranks have formed their group again" if self.group_broken else ""))
+        if self.rank > 0:
+            return None
         # 6. Canonical uint8 frames; the shape must be what was asked (validation ruled out any rounding).
         frames = to_uint8(np.asarray(frames))
         expected = (req.num_frames, req.height, req.width, 3)
@@ -462,6 +490,16 @@ class PipelineHolder:
         dit_s = (marks[-1] - marks[0]) * n / (n - 1) if len(marks) == 2 else None
         self.last_run = RunStats(dit_s=dit_s, dit_flops=self.dit_flops(req), peak_memory_gib=self._peak_memory_gib())
         return frames
+
+    def _split_guidance(self, pipe, req: GenerateRequest, kwargs: dict) -> None:
+        """cfg:2 (parallel.GuidanceSplit): the prompts encoded here as the pipeline would encode them, so that the
+        cfg rank 1 holds the negative prompt's embeddings at a step's first call."""
+        guided = req.guidance_scale > 1.0  # the pipelines' own rule (do_classifier_free_guidance)
+        kwargs["prompt_embeds"], kwargs["negative_prompt_embeds"] = pipe.encode_prompt(
+            prompt=kwargs.pop("prompt"), negative_prompt=kwargs.pop("negative_prompt"),
+            do_classifier_free_guidance=guided, max_sequence_length=req.max_sequence_length,
+            device=pipe._execution_device)
+        self.guidance.negative = kwargs["negative_prompt_embeds"] if guided else None
 
     def dit_flops(self, req: GenerateRequest) -> int:
         """The transformers' FLOPs for `req`, both experts together (see expert_flops)."""
@@ -574,5 +612,5 @@ def is_out_of_memory(exc: BaseException) -> bool:
     import torch
 
     text = str(exc).lower()
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text or \
-        "can't allocate memory" in text
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text)

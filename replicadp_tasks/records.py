@@ -54,9 +54,11 @@ class Result(TypedDict, total=False):
     dit_flops: int | None
     peak_memory_gib: float | None
     served: dict  # what of the deployment changed the output besides the inputs (PipelineHolder.served): the step
-    # cache that a fast request ran with ({"cache": "mag threshold=0.06"}), a quantized transformer; {}: the exact path
+    # cache that a fast request ran with ({"cache": "mag threshold=0.06"}), a layout over several ranks
+    # ({"parallel": "cfg:2,ring:2"}), a quantized transformer; {}: the exact path on one process
     execution: str  # the FenceToken of the delivery that computed it
-    redelivered: bool  # this delivery returned a result that another (or an earlier one) stored
+    redelivered: bool  # the message came back (a process that held it ended), or this delivery returned a result
+    # that another (or an earlier one) stored
     video_uri: str  # file://..., redis-key:... or s3://bucket/key (set by the store)
     video_url: str  # s3 only: a presigned GET URL of the MP4, made as the result is handed out (store.with_video_url)
     video_url_expires_at: int  # s3 only: when video_url stops working (unix seconds)

@@ -221,8 +221,8 @@ class Settings:
             # with another process, or to try a smaller GPU's limit on a larger one. Unset: what each has free at
             # load. On a CPU replica only the load-time check reads it.
             device_memory_gib=_positive("REPLICADP_DEVICE_MEMORY_GIB"),
-            # One replica over K processes (parallel.py), e.g. "ulysses:2": each request's transformer passes split
-            # over K GPUs, for a lower latency; N replicas x K GPUs. "none": one process, the default.
+            # One replica over K processes (parallel.py), e.g. "ulysses:2", "ring:2", "cfg:2,ulysses:2": each
+            # request's denoising split over K GPUs, for a lower latency; N replicas x K GPUs. "none": one process.
             parallel=_layout("REPLICADP_PARALLEL"),
             # Seconds a rank waits for another inside a collective, and for the group to form: past it the replica's
             # attempt ends and its request is requeued. A collective waits one layer's compute, never a request's.

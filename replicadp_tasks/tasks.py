@@ -39,18 +39,24 @@ EXIT_GROUP_LOST = 76  # ... whose multi-process group broke (parallel.GroupLost)
 def generate(self, prompt=None, **kwargs) -> Result:
     """Generate one video; returns its Result (metadata: the bytes go to the output store)."""
     started, me, task_id = time.time(), child.current(), self.request.id
-    # 1. Cancelled before it started?
+    # 1. Can this replica's ranks serve it? An earlier request that ran out of memory on one of them left them
+    #    apart: end the pool child before this request is counted; it is requeued and the next child rebuilds.
+    if me.pipeline.group_broken is not None:
+        log.error("request %s: the replica's ranks must form their group again (%s); the pool child exits, the "
+                  "request is requeued", task_id, me.pipeline.group_broken)
+        os._exit(EXIT_GROUP_LOST)
+    # 2. Cancelled before it started?
     if me.cancelled(task_id):
         raise RequestCancelled(f"request {task_id} was cancelled before it started")
-    # 2. Count the attempt: each earlier one ended its replica's process.
+    # 3. Count the attempt: each earlier one ended its replica's process.
     attempt = me.start_attempt(task_id)
     if attempt > SETTINGS.max_attempts:
         me.record_poison(task_id, {"prompt": prompt, **kwargs}, attempt - 1)
         raise PoisonRequest(f"request {task_id} ended its replica's process {attempt - 1} times; not retried "
                             f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
-    # 3. Validate, and fetch the first frame.
+    # 4. Validate, and fetch the first frame.
     delivery = Delivery.of(self, {"prompt": prompt, **kwargs}, started)
-    # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer;
+    # 5. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer;
     # or, if another live delivery holds it, raise Parked.
     earlier = delivery.take_fence()
     if earlier is not None:
@@ -58,7 +64,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
         return earlier
     me.fences.current = (delivery.fence, delivery.token)  # renewed by the fence keeper thread from now on
     try:
-        # 5. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request: it is
+        # 6. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request: it is
         #    requeued as a killed replica's is, and the pool's next child rebuilds the group.
         delivery.tell(Event.STARTED)
         try:
@@ -66,7 +72,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
         except GroupLost as exc:
             log.error("request %s: %s; the pool child exits, the request is requeued", delivery.request_id, exc)
             os._exit(EXIT_GROUP_LOST)
-        # 6. Store it (the first delivery to store wins) and return its metadata.
+        # 7. Store it (the first delivery to store wins) and return its metadata.
         stored = delivery.store(video, result)
         delivery.tell(Event.COMPLETED, result=stored)
         return stored

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issues #9, #22, #33), on one GPU, in two commands that each fit the device's 10 minutes a
+# The GPU check (issues #9, #22, #33, #34), on one GPU, in two commands that each fit the device's 10 minutes a
 # command: `MEMORY_REQUESTS=0 scripts/gpu_check.sh` (steps 1-5, an estimated 9 minutes on an H200) and
 # `ONLY_MEMORY=1 scripts/gpu_check.sh` (steps 1 and 6, an estimated 3-4; neither estimate measured yet). With
 # neither variable set it runs all the steps in one go:
@@ -24,8 +24,14 @@
 #      MEMORY_REQUESTS requests after a warm-up, 1, 0 skips it; an estimated 3-4 minutes, most of it the weights
 #      crossing PCIe; bounded by MEMORY_TIMEOUT, 240 s, and reported, not fatal, if cut short or if an option
 #      changed the frames: the options done by then keep their rows);
-#   7. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
-#      utilisation, the isolation verdict and one line per memory option, and leaves the JSON reports in $OUT.
+#   7. replicas over K GPUs (REPLICADP_PARALLEL, issue #34): a layout runs one rank per GPU, so on a machine of
+#      one GPU this step says so and measures nothing (the CPU figures and the 8-GPU model are in
+#      docs/benchmarks.md, section 12); with two or more, bench/parallel.py on GPUs 0 and 1: 2 x 1 against 1 x 2
+#      for each of PARALLEL_LAYOUTS ("cfg:2 ulysses:2"; empty skips it), frames compared with 2 x 1's, bounded by
+#      PARALLEL_TIMEOUT (300 s) and reported, not fatal, if cut short;
+#   8. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
+#      utilisation, the isolation verdict, one line per memory option and one per layout, and leaves the JSON
+#      reports in $OUT.
 #
 #   scripts/gpu_check.sh                          # on the GPU machine, from the repo root: every step
 #   MEMORY_REQUESTS=0 scripts/gpu_check.sh; ONLY_MEMORY=1 scripts/gpu_check.sh   # the same, in two commands
@@ -143,7 +149,24 @@ if (( MEMORY_REQUESTS > 0 )); then
   fi
 fi
 
-# 7. The figures side by side.
+# 7. Replicas over K GPUs against replicas of one: one rank per GPU, so two GPUs at least.
+PARALLEL_LAYOUTS=${PARALLEL_LAYOUTS-cfg:2 ulysses:2}
+if [[ $ONLY_MEMORY != 1 && $DEVICE != cpu && -n $PARALLEL_LAYOUTS ]]; then
+  phase "parallel layouts"
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  if (( gpus < 2 )); then
+    echo "gpu_check: parallel layouts not measured: $gpus GPU here, and a layout runs one rank per GPU" | tee "$OUT/parallel-skipped.txt"
+  else
+    layouts=(); for layout in $PARALLEL_LAYOUTS; do layouts+=(--layout "$layout"); done
+    if ! timeout "${PARALLEL_TIMEOUT:-300}" python3 bench/parallel.py --devices 0,1 --model "$MODEL" --size "$SIZE" \
+        --frames "$FRAMES" --steps "$STEPS" --requests 4 --latency-requests 2 --warmup 1 "${layouts[@]}" \
+        --out "$OUT/parallel.json"; then
+      echo "gpu_check: the parallel step failed or ran past ${PARALLEL_TIMEOUT:-300} s (above)" >&2
+    fi
+  fi
+fi
+
+# 8. The figures side by side.
 phase "done"
 python3 - "$OUT" "$ONLY_MEMORY" <<'EOF'
 import json, sys
@@ -191,5 +214,15 @@ if (out / "memory.json").exists():
     for option in mem["options"]:
         if option not in done:
             print(f"  {option:<8}no figures (the step was cut short)")
+for line in (out / "parallel-skipped.txt").read_text().splitlines() if (out / "parallel-skipped.txt").exists() else []:
+    print(line)
+if (out / "parallel.json").exists():
+    par = json.loads((out / "parallel.json").read_text())
+    print(f"parallel layouts ({par['model']}, {par['size']}x{par['frames']}, {par['steps']} steps, GPUs {par['devices']}):")
+    for r in par["rows"]:
+        d = r["decoded"] or {}
+        print(f"  {r['layout']:<6}{r['parallel']:<18}p50 latency {r['latency_p50_s']:.2f} s, {r['videos_per_min']:.2f} videos/min, "
+              f"frames bitwise = 2 x 1's: {r['frames_identical'] if r['frames_identical'] is not None else 'baseline'}, "
+              f"decoded max abs {d.get('max_abs', '-')}")
 EOF
 exit $status

@@ -47,17 +47,23 @@ def test_the_layout_setting_is_parsed_and_a_bad_one_named(monkeypatch):
 
 
 def test_layouts_a_replica_cannot_run_are_refused_before_anything_starts(tiny_model):
-    """At load, naming REPLICADP_PARALLEL, before a follower is started or a weight loaded: a kind not supported
-    yet (ring, cfg), and the options that have not run on a split transformer (offload, compile) or that decide
-    from each rank's own slice (FirstBlockCache). A Ulysses degree must divide the attention heads."""
-    cases = [({"layout": Layout(ring=2)}, r"REPLICADP_PARALLEL=ring:2: ring is not supported yet; supported: "
-                                          r"ulysses:K"),
-             ({"layout": Layout(cfg=2, ulysses=2)}, r"cfg is not supported yet"),
+    """At load, naming REPLICADP_PARALLEL, before a follower is started or a weight loaded: a cfg degree other than
+    1 or 2, ring on an attention backend that does not return the log-sum-exp, the options that have not run on a
+    split transformer (offload, compile), the step caches that decide from each rank's own slice (FirstBlockCache)
+    and any step cache under cfg (each keeps its state per pass). A Ulysses degree must divide the attention
+    heads."""
+    cases = [({"layout": Layout(cfg=3)}, r"REPLICADP_PARALLEL=cfg:3: a step has two passes \(conditional, "
+                                         r"unconditional\), so cfg is 1 or 2"),
+             ({"layout": Layout(ring=2), "attention": "_native_math"},
+              r"REPLICADP_PARALLEL=ring:2 with REPLICADP_ATTENTION='_native_math': ring attention needs a backend "
+              r"that returns the log-sum-exp; on cpu: native"),
              ({"layout": Layout(ulysses=2), "offload": Offload.MODEL},
               r"REPLICADP_PARALLEL=ulysses:2 cannot be combined with REPLICADP_OFFLOAD=model"),
              ({"layout": Layout(ulysses=2), "compile": "blocks"}, r"cannot be combined with REPLICADP_COMPILE=blocks"),
              ({"layout": Layout(ulysses=2), "cache": StepCache.of(CacheMethod.FIRST_BLOCK)},
-              r"cannot be combined with REPLICADP_CACHE=first-block")]
+              r"cannot be combined with REPLICADP_CACHE=first-block"),
+             ({"layout": Layout(cfg=2), "cache": StepCache.of(CacheMethod.TAYLORSEER)},
+              r"REPLICADP_PARALLEL=cfg:2 cannot be combined with REPLICADP_CACHE=taylorseer")]
     for options, error in cases:
         h = PipelineHolder("tiny", model_cache=tiny_model.parent, **options)
         with pytest.raises(ModelLoadError, match=error):
@@ -116,7 +122,7 @@ def test_a_k2_replica_serves_through_python_and_http_and_says_its_layout(k2):
     assert python.ok, python.error
     assert python.result["served"] == {"parallel": "ulysses:2"}
     assert not odd.ok and odd.error.startswith("InvalidRequest: height x width x num_frames='32x96x1': its 3 video "
-                                               "tokens do not split over the replica's 2 ranks"), odd.error
+                                               "tokens do not split over the replica's 2 sequence ranks"), odd.error
     form = {"prompt": REQUEST["prompt"], "seed": "4", "size": "64x64", "num_frames": "5", "num_inference_steps": "4"}
     with gateway(k2.url, "ulysses2") as gw:
         answer = post(gw, "/v1/videos/sync", form)
@@ -134,7 +140,7 @@ def test_a_k2_replica_serves_through_python_and_http_and_says_its_layout(k2):
 def test_a_cancel_ends_the_request_on_both_ranks_and_the_group_serves_on(k2):
     """A request cancelled mid-denoising (`replicadp cancel`) stops on both ranks at one step boundary (they agree
     on it): the request ends cancelled, and the same pool child and follower serve the next request."""
-    request = {"prompt": "to be cancelled", **tiny_request_lasting(4, lambda r: run_client_on(
+    request = {"prompt": "to be cancelled", **tiny_request_lasting(30, lambda r: run_client_on(
         k2.url, [r], concurrency=1, timeout=120)[0].result)}
     result = k2.app.send_task("replicadp.generate", kwargs=request)
     info = wait_for_step(k2, result.id, 1)

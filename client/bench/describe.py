@@ -1,15 +1,16 @@
 """`replicadp describe-model`: what a model weighs, component by component, its transformers' FLOPs per request
 (each expert's, for Wan2.2's two-expert A14B models), and whether the replica's GPUs can hold its weights, with
-each memory option (REPLICADP_OFFLOAD): the figures for sizing a GPU and behind the bench's model FLOP
-utilisation."""
+each memory option (REPLICADP_OFFLOAD), and what a layout over K ranks (REPLICADP_PARALLEL) gives each rank: the
+figures for sizing a GPU and behind the bench's model FLOP utilisation."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
 from replicadp_tasks.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, build_components,
-                                           build_tokenizer, describe, reference_expert_flops)
+                                           build_tokenizer, describe, reference_expert_flops, video_tokens)
 from replicadp_tasks.memory import Offload, needs, size, usable
+from replicadp_tasks.parallel import Layout
 from replicadp_tasks.pipeline import RANDOM_PREFIX, TINY_SPECS, placement
 
 from ..progress import console
@@ -54,19 +55,38 @@ def offload_needs(name: str, gpus: int, gpu_memory_gib: float) -> list[dict]:
     return rows
 
 
+def layout_figures(name: str, layout: Layout, *, width: int, height: int, num_frames: int, dit_flops: int) -> dict:
+    """A replica over `layout`'s ranks: each rank's share of the transformer FLOPs (guidance on: cfg:2 gives each
+    half its passes, the sequence ranks each a slice of the tokens), or why the replica would refuse the layout
+    (the Ulysses degree against the heads) or this request shape (the tokens against the sequence ranks)."""
+    cfg, vae = architecture(name).transformer, architecture(name).vae
+    tokens = video_tokens(cfg, height=height, width=width, num_frames=num_frames,
+                          vae_spatial=vae.get("scale_factor_spatial", 8), vae_temporal=vae.get("scale_factor_temporal", 4))
+    refused = None
+    if cfg["num_attention_heads"] % layout.ulysses:
+        refused = f"the model's {cfg['num_attention_heads']} attention heads do not split over {layout.ulysses} ranks"
+    elif tokens % layout.sequence:
+        refused = f"this shape's {tokens} video tokens do not split over {layout.sequence} sequence ranks"
+    return {"layout": str(layout), "ranks": layout.size, "video_tokens": tokens, "refused": refused,
+            "dit_flops_per_rank": dit_flops // layout.size}
+
+
 def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, peak_tflops: float,
-            gpus: int = 1, gpu_memory_gib: float = GPU_MEMORY_GIB) -> dict:
+            gpus: int = 1, gpu_memory_gib: float = GPU_MEMORY_GIB, layout: Layout = Layout()) -> dict:
     """Each component's parameters (built on the meta device: nothing is allocated), each expert's steps and
-    FLOPs for one request of that shape, guidance on (`dit_flops`: all experts together), and whether `gpus`
-    GPUs of `gpu_memory_gib` hold the weights, all resident and with each memory option."""
+    FLOPs for one request of that shape, guidance on (`dit_flops`: all experts together), whether `gpus`
+    GPUs of `gpu_memory_gib` hold the weights, all resident and with each memory option, and, for a layout over
+    several ranks, each rank's share (layout_figures)."""
     rows = describe(name)
     experts = reference_expert_flops(name, width=width, height=height, num_frames=num_frames, steps=steps)
+    dit_flops = sum(e["dit_flops"] for e in experts.values())
     return {"architecture": name, "components": rows,
             "request": {"width": width, "height": height, "num_frames": num_frames, "steps": steps, "guidance": True},
             "boundary_ratio": architecture(name).boundary_ratio, "experts": experts,
-            "dit_flops": sum(e["dit_flops"] for e in experts.values()),
-            "peak_tflops": peak_tflops, "memory": memory(rows, gpus, gpu_memory_gib),
-            "offload": offload_needs(name, gpus, gpu_memory_gib)}
+            "dit_flops": dit_flops, "peak_tflops": peak_tflops, "memory": memory(rows, gpus, gpu_memory_gib),
+            "offload": offload_needs(name, gpus, gpu_memory_gib),
+            "parallel": layout_figures(name, layout, width=width, height=height, num_frames=num_frames,
+                                       dit_flops=dit_flops) if layout.size > 1 else None}
 
 
 def print_figures(fig: dict) -> None:
@@ -97,3 +117,14 @@ def print_figures(fig: dict) -> None:
         held = (f"{size(o['weights_bytes'])} at most on a GPU: {'fits' if o['fits'] else 'does NOT fit'}"
                 if o["unusable"] is None else f"not for this replica ({o['unusable'].split('. ')[0]})")
         console.print(f"  REPLICADP_OFFLOAD={o['offload']}: {held}")
+    par = fig["parallel"]
+    if par is not None:
+        name = f"REPLICADP_PARALLEL={par['layout']}"
+        if par["refused"]:
+            console.print(f"{name}: refused: {par['refused']}")
+        else:
+            per_rank = par["dit_flops_per_rank"]
+            console.print(f"{name}: {par['ranks']} ranks, one GPU each, each holding every weight (the check above "
+                          f"with --gpus 1); transformer FLOPs per rank {per_rank / 1e15:.2f} PFLOP: "
+                          f"{per_rank / (peak * 1e12):.2f} s at {peak:g} TFLOP/s, before communication "
+                          f"(bench/parallel.py --model-only prices it)")

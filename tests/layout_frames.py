@@ -1,0 +1,42 @@
+"""One replica's pipeline holder, in a process of its own, under a layout (REPLICADP_PARALLEL and REPLICADP_MODEL
+in the environment, as a replica reads them; the holder starts and ends its follower ranks): runs each request
+given as JSON, writes its uint8 frames as FOLDER/<index>.npy, and prints as JSON how many times this rank (rank 0)
+ran a first transformer block (either expert's) for each request. test_parallel compares the frames of several
+layouts with one process's.
+
+    python tests/layout_frames.py FOLDER '[{request fields}, ...]'
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from replicadp_tasks.pipeline import PipelineHolder, experts
+from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.validate import validate_request
+
+
+def main(folder: str, requests: str) -> None:
+    holder = PipelineHolder.from_settings(SETTINGS)
+    holder.load()
+    calls = [0]
+    for expert in experts(holder.pipe):
+        expert.blocks[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    runs = []
+    try:
+        for i, fields in enumerate(json.loads(requests)):
+            calls[0] = 0
+            req = validate_request(fields, size_multiple=holder.size_multiple, experts=holder.expert_count,
+                                   defaults=holder.request_defaults)
+            np.save(Path(folder) / f"{i}.npy", holder.generate(req))
+            runs.append(calls[0])
+    finally:
+        if holder.followers is not None:
+            holder.followers.close()
+    print(json.dumps({"block_calls": runs}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
