@@ -154,6 +154,8 @@ def main():
 @click.option("--model", default=None, help="Expected model; fail if the live replicas serve another.")
 @click.option("--quality", type=click.Choice(["standard", "fast", "mixed"]), default="standard", show_default=True,
               help="The path each request asks for; mixed: standard and fast in turn (request i: fast if i is odd).")
+@click.option("--loras", default="", metavar="NAME[,NAME]", help="Registered LoRA adapters to mix in: requests in "
+              "turn run with none, the first, and the first at 0.5 with the second at 1.5.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per request.")
 @click.option("--save-dir", type=click.Path(file_okay=False, path_type=Path), help="Write the MP4s here.")
 @click.option("--label", default="", help="A name for this run in the report.")
@@ -175,8 +177,8 @@ def main():
               help="Write the report as JSON to this file, or to stdout with - (the tables then go to stderr).")
 @redis_url_option()
 def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_prompt, size, num_frames, steps,
-          model, quality, timeout, save_dir, label, baseline_tpm, write_baseline, baseline_format, check_baseline,
-          tolerance_psnr, peak_tflops, json_out):
+          model, quality, loras, timeout, save_dir, label, baseline_tpm, write_baseline, baseline_format,
+          check_baseline, tolerance_psnr, peak_tflops, json_out):
     """Throughput benchmark (vllm-omni's bench_replica_dp protocol) with an optional isolation check."""
     from .bench.isolation import BaselineError, BaselineFormat, read_baseline
     from .bench.report import print_report
@@ -201,6 +203,9 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
     if vllm_omni and quality != "standard":
         raise click.UsageError(f"--quality {quality}: vllm-omni's baseline keys carry no quality; only with "
                                "--quality standard")
+    loras = tuple(name.strip() for name in loras.split(",") if name.strip())
+    if vllm_omni and loras:
+        raise click.UsageError("--loras: vllm-omni's baseline keys carry no adapters")
     if num_requests < 1 or concurrency < 1:
         raise click.UsageError("--num-requests and --concurrency must be at least 1")
     prompts = PROMPTS
@@ -210,8 +215,8 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
             raise click.BadParameter(f"{prompts_file}: no prompts", param_hint="--prompts-file")
     cfg = BenchConfig(num_requests=num_requests, concurrency=concurrency, warmup=warmup, base_seed=base_seed,
                       prompts=prompts, negative_prompt=negative_prompt, width=size[0], height=size[1],
-                      num_frames=num_frames, steps=steps, quality=quality, timeout=timeout, label=label,
-                      peak_tflops=peak_tflops)
+                      num_frames=num_frames, steps=steps, quality=quality, loras=loras, timeout=timeout,
+                      label=label, peak_tflops=peak_tflops)
     rep = run_bench(cfg, model=model, save_dir=save_dir, baseline_tpm=baseline_tpm, write_baseline=write_baseline,
                     baseline_format=BaselineFormat(baseline_format or BaselineFormat.REPLICADP),
                     check_baseline=check_baseline, tolerance_psnr=tolerance_psnr)
@@ -256,7 +261,20 @@ def submit(file, results, concurrency, timeout, save_dir, longest_first, priorit
 OPTION_OF = {"prompt": "PROMPT", "negative_prompt": "--negative-prompt", "seed": "--seed", "height": "--size",
              "width": "--size", "num_frames": "--num-frames", "num_inference_steps": "--steps",
              "guidance_scale": "--guidance", "guidance_scale_2": "--guidance-2", "boundary_ratio": "--boundary",
-             "fps": "--fps", "image": "--image", "priority": "--priority", "user": "--user", "quality": "--quality"}
+             "fps": "--fps", "image": "--image", "priority": "--priority", "user": "--user", "quality": "--quality",
+             "loras": "--lora"}
+
+
+def lora_param(ctx, param, values: tuple[str, ...]) -> list[dict] | None:
+    """A click callback for --lora NAME[:SCALE] (repeated): generate's `loras`; the request check names the rest."""
+    loras = []
+    for value in values:
+        name, sep, scale = value.partition(":")
+        try:
+            loras.append({"name": name, **({"scale": float(scale)} if sep else {})})
+        except ValueError:
+            raise click.BadParameter(f"{value!r}: expected NAME or NAME:SCALE (a number)") from None
+    return loras or None
 
 
 def image_param(ctx, param, value: str | None) -> str | None:
@@ -301,11 +319,13 @@ def image_param(ctx, param, value: str | None) -> str | None:
 @click.option("--user", callback=user_param, help="Who the request is for (round robin across users).")
 @click.option("--quality", type=click.Choice([q.value for q in Quality]), help="Default: standard (the exact path); "
               "fast: the deployment's step cache, where it has one.")
+@click.option("--lora", "loras", multiple=True, callback=lora_param, metavar="NAME[:SCALE]",
+              help="A registered LoRA adapter to run with, and its scale (default: the adapter's); repeat for more.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait; then it is cancelled.")
 @click.option("--json", "json_out", is_flag=True, help="Print the Result as JSON on stdout (all else on stderr).")
 @redis_url_option()
 def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, guidance, guidance_2, boundary, fps,
-             image, priority, user, quality, timeout, json_out):
+             image, priority, user, quality, loras, timeout, json_out):
     """Generate one video on the live replicas, with a bar over its denoising steps; exit 0 once it is done."""
     from rich.console import Console
     from rich.markup import escape
@@ -318,14 +338,14 @@ def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, gui
     request = {"prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, "width": size[0],
                "height": size[1], "num_frames": num_frames, "num_inference_steps": steps, "guidance_scale": guidance,
                "guidance_scale_2": guidance_2, "boundary_ratio": boundary, "fps": fps, "image": image,
-               "priority": priority, "user": user, "quality": quality}
+               "priority": priority, "user": user, "quality": quality, "loras": loras}
     request = {k: v for k, v in request.items() if v is not None}
     accepted = live_accepted()
     try:
         # As the gateway checks: against the live replicas' size multiple and qualities (with none live, 16 and
         # any quality; the replica checks again).
         validate_request(request, size_multiple=accepted.size_multiple, qualities=accepted.qualities,
-                         experts=accepted.experts, requires_image=accepted.requires_image)
+                         experts=accepted.experts, requires_image=accepted.requires_image, loras=accepted.loras)
     except InvalidRequest as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{OPTION_OF.get(exc.field, exc.field)}'") from None
     err = Console(stderr=True, soft_wrap=True)  # as progress.console: messages are not wrapped
@@ -684,6 +704,25 @@ def make_tiny_model(directory, variant):
     from replicadp_tasks.tiny_model import ensure_tiny_model
 
     console.print(f"tiny {variant} model in {ensure_tiny_model(directory, variant)}")
+
+
+@main.command("make-tiny-lora")
+@click.argument("out_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--model", default="tiny", show_default=True, help="The tiny model it adapts (tiny, tiny-a14b, ...).")
+@click.option("--seed", default=0, show_default=True, help="Its random weights' seed: another seed, another adapter.")
+@click.option("--expert", type=click.Choice(["transformer", "transformer_2"]), default="transformer",
+              show_default=True)
+def make_tiny_lora(out_file, model, seed, expert):
+    """Write a small random LoRA adapter (peft, seeded) for a tiny model, as one safetensors file that
+    REPLICADP_LORAS can register: for trying adapters offline."""
+    from replicadp_tasks.pipeline import TINY_SPECS, resolve_model
+    from replicadp_tasks.settings import SETTINGS
+    from replicadp_tasks.tiny_model import save_tiny_lora
+
+    if model not in TINY_SPECS:
+        raise click.BadParameter(f"{model!r}: one of {', '.join(TINY_SPECS)}", param_hint="--model")
+    path = save_tiny_lora(resolve_model(model, SETTINGS.model_cache), out_file, seed, expert=expert)
+    console.print(f"LoRA for {model}'s {expert} (seed {seed}) in {path}")
 
 
 @main.command("calibrate-mag")

@@ -110,7 +110,7 @@ def read_batch(path: Path, defaults: dict | None = None, accepted: Accepted = Ac
             # The replica checks again, and what its deployment allows a webhook.
             validate_request(kwargs, size_multiple=accepted.size_multiple, qualities=accepted.qualities,
                              experts=accepted.experts, requires_image=accepted.requires_image,
-                             webhook_policy=False)
+                             loras=accepted.loras, webhook_policy=False)
         except InvalidRequest as exc:
             errors.append(f"line {n}: {exc}")
             continue

@@ -297,7 +297,9 @@ def decode_work(line: str):
     from .validate import GenerateRequest
 
     work: Work = json.loads(line)
-    req = GenerateRequest(**{**work["request"], "quality": Quality(work["request"]["quality"])})
+    fields = work["request"]
+    req = GenerateRequest(**{**fields, "quality": Quality(fields["quality"]),
+                             "loras": tuple((name, scale) for name, scale in fields["loras"])})
     image = None if work["image_png"] is None else Image.open(io.BytesIO(base64.b64decode(work["image_png"])))
     return req, image
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import determinism, hub
+from . import adapters, determinism, hub
 from . import parallel
 from .architectures import (ARCHITECTURES, architecture, architecture_of, build_components, build_pipeline,
                             build_tokenizer, expert_steps, request_flops, video_tokens)
@@ -103,7 +103,8 @@ class PipelineHolder:
                  cache: StepCache = StepCache(CacheMethod.NONE), quantize: Quantize = Quantize.NONE,
                  offload: Offload = Offload.NONE, memory_gib: float | None = None, layout: Layout = Layout(),
                  rank: int = 0, store_path: str | None = None, parallel_timeout_s: float = 60.0,
-                 load_timeout_s: float = 900.0, on_group_lost: Callable[[str], None] | None = None):
+                 load_timeout_s: float = 900.0, on_group_lost: Callable[[str], None] | None = None,
+                 loras_file: str | None = None):
         self.spec = spec
         self.model_cache = model_cache
         self.threads = threads
@@ -127,6 +128,8 @@ class PipelineHolder:
         # Why this replica's group of ranks cannot serve another request (out of memory on a rank mid-request left
         # them apart): its pool child ends before the next request is counted (tasks.py), and the next one rebuilds.
         self.group_broken: str | None = None
+        self.loras_file = loras_file  # REPLICADP_LORAS (adapters.py)
+        self.adapters: list[adapters.Adapter] = []  # loaded at start, each switched on only by the requests naming it
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
@@ -142,7 +145,7 @@ class PipelineHolder:
                    deterministic=settings.deterministic, cache=StepCache.from_settings(settings),
                    quantize=settings.quantize, offload=settings.offload, memory_gib=settings.device_memory_gib,
                    layout=settings.parallel, parallel_timeout_s=settings.parallel_timeout_s,
-                   load_timeout_s=settings.load_timeout_s, **kwargs)
+                   load_timeout_s=settings.load_timeout_s, loras_file=settings.loras_file, **kwargs)
 
     @property
     def size_multiple(self) -> int:
@@ -191,13 +194,21 @@ class PipelineHolder:
         """The paths a request may ask for: the exact one, and the fast one where the deployment has a step cache."""
         return [Quality.STANDARD] if self.synthetic_s is not None else self.cache.qualities
 
-    def served(self, quality: Quality) -> dict:
+    @property
+    def lora_scales(self) -> dict[str, float]:
+        """The registered adapters a request may name, each with its default scale (validate.check_loras)."""
+        return {a.name: a.scale for a in self.adapters}
+
+    def served(self, req: GenerateRequest) -> dict:
         """What about this deployment changes a request's output besides its inputs and the model: the step cache
-        (fast requests), a layout over several ranks (ring's merge rounds otherwise) and the quantization. Part of
-        the input's identity (validate.input_key) and its Result."""
-        served = {"cache": str(self.cache)} if quality == Quality.FAST else {}
+        (fast requests), a layout over several ranks (ring's merge rounds otherwise), the quantization, and the
+        files of the adapters the request names (a name registered anew to other weights is another input). Part
+        of the input's identity (validate.input_key) and its Result."""
+        served = {"cache": str(self.cache)} if req.quality == Quality.FAST else {}
         served |= {"parallel": str(self.layout)} if self.layout.size > 1 else {}
-        return served | ({"quantize": str(self.quantize)} if self.quantize != Quantize.NONE else {})
+        served |= {"quantize": str(self.quantize)} if self.quantize != Quantize.NONE else {}
+        files = {a.name: a.sha256 for a in self.adapters}
+        return served | ({"loras": {name: files[name] for name, _ in req.loras}} if req.loras else {})
 
     def load(self) -> None:
         """Load the pipeline onto this replica's device(s)."""
@@ -211,6 +222,16 @@ class PipelineHolder:
             # whole (fullgraph): every fast request would fail (tried on the tiny model, each method).
             raise ModelLoadError(f"REPLICADP_CACHE={self.cache.method} cannot be combined with REPLICADP_COMPILE="
                                  f"{self.compile}: the cache's hooks cannot be compiled; choose one of them")
+        registrations = adapters.read_registry(self.loras_file)
+        for setting, value, default in (("REPLICADP_COMPILE", self.compile, "none"),
+                                        ("REPLICADP_QUANTIZE", self.quantize, Quantize.NONE),
+                                        ("REPLICADP_OFFLOAD", self.offload, Offload.NONE),
+                                        ("REPLICADP_PARALLEL", str(self.layout), "none")):
+            if registrations and value != default:
+                # Not run yet with adapters switched per request (compile would trace them in or out, FP8 and
+                # offloading move the layers peft wraps, followers would need the same switching): refused.
+                raise ModelLoadError(f"REPLICADP_LORAS cannot be combined with {setting}={value}: not supported yet; "
+                                     "choose one of them")
         if self.deterministic:
             determinism.set_environment()  # before torch starts MKL and cuBLAS
         import diffusers
@@ -269,6 +290,8 @@ class PipelineHolder:
             place(pipe, self.devices)
         else:
             apply_offload(pipe, self.offload, self.devices[0])
+        # The registered LoRA adapters, into the experts on their devices; all off until a request names them.
+        self.adapters = adapters.load(pipe, registrations)
         # 3. Fidelity for speed, for every request: an FP8 transformer (REPLICADP_QUANTIZE), before it is compiled.
         #    The step cache is the other such option, installed per fast request (generate).
         quantize(pipe, self.quantize, self.device, self.devices)
@@ -432,15 +455,18 @@ class PipelineHolder:
             if self.followers.lost is not None:
                 raise GroupLost(self.followers.lost)
             self.followers.send(req, image)
-        # 4. What this request alone changes on the shared pipeline: the fast path's step cache hooks, and a
-        #    two-expert request's own boundary (diffusers reads boundary_ratio from the pipeline's config). Both are
-        #    undone at its end, also when it fails half-way: no such state outlives its request (step_cache.py).
+        # 4. What this request alone changes on the shared pipeline: its LoRA adapters, the fast path's step cache
+        #    hooks, and a two-expert request's own boundary (diffusers reads boundary_ratio from the pipeline's
+        #    config). All are undone at its end, also when it fails half-way: no such state outlives its request
+        #    (adapters.py, step_cache.py).
         boundary = self.boundary_ratio
         if req.quality == Quality.FAST:  # on each expert, with state of its own (the i2v view shares them)
             for expert in experts(self.pipe):
                 expert.enable_cache(self.cache.config(req.num_inference_steps, lambda: pipe.current_timestep))
         oom = None
         try:
+            if self.adapters:  # exactly the request's adapters and scales (none: all off); the i2v view shares them
+                adapters.activate(self.pipe, req.loras)
             if req.boundary_ratio is not None:
                 pipe.register_to_config(boundary_ratio=req.boundary_ratio)
             with torch.inference_mode():
@@ -464,6 +490,8 @@ class PipelineHolder:
             elif oom is None:
                 raise
         finally:
+            if self.adapters:
+                adapters.deactivate(self.pipe)
             if self.guidance is not None:
                 self.guidance.reset()
             if req.boundary_ratio is not None:

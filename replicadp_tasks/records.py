@@ -80,6 +80,7 @@ class ReplicaInfo(TypedDict):
     qualities: list[str]  # what a request's `quality` may be here (step_cache.Quality)
     cache: str  # the step cache fast requests run with (step_cache.StepCache), "none" without
     quantize: str  # the transformer's quantization (quantization.Quantize)
+    loras: list[dict]  # the registered adapters a request may name: name, source, scale, experts, sha256
     offload: str  # where the models it is not running wait (memory.Offload)
     parallel: str  # how its ranks split a request (parallel.Layout), "none" for one process
     pid: int

@@ -160,6 +160,7 @@ class Settings:
     image_timeout_s: int
     fetch_allow: tuple
     image_dir: Path | None
+    loras_file: str | None
     model_cache: Path
     scheduling: Scheduling
     s3_bucket: str
@@ -264,6 +265,9 @@ class Settings:
             fetch_allow=_networks("REPLICADP_FETCH_ALLOW"),
             # Local image paths are refused unless they lie under this folder.
             image_dir=Path(image_dir).resolve() if image_dir else None,
+            # The LoRA adapters a replica loads at start and a request may name (adapters.py): a TOML file the
+            # operator writes. Unset: none, and a request naming one is refused.
+            loras_file=os.environ.get("REPLICADP_LORAS") or None,
             model_cache=model_cache,
             # Where a producer places a request (scheduling.py): "fair" (priorities, then round robin across
             # users) or "fifo" (one list in arrival order: the baseline the scheduling benchmark compares with).

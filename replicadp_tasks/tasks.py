@@ -103,7 +103,8 @@ class Delivery:
         req = validate_request(kwargs, size_multiple=pipeline.size_multiple,
                                max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
                                qualities=pipeline.qualities, experts=pipeline.expert_count,
-                               requires_image=pipeline.requires_image, defaults=pipeline.request_defaults)
+                               requires_image=pipeline.requires_image, defaults=pipeline.request_defaults,
+                               loras=pipeline.lora_scales)
         image, image_sha256 = None, None
         if req.image is not None:
             if not pipeline.accepts_image:
@@ -118,7 +119,7 @@ class Delivery:
         webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=False,
                                 tenant=kwargs.get("tenant"))
         return cls(task=task, req=req, image=image, params=params,
-                   input_key=input_key(params, SETTINGS.model, pipeline.served(req.quality)),
+                   input_key=input_key(params, SETTINGS.model, pipeline.served(req)),
                    request_id=req.request_id or task.request.id,
                    token=FenceToken(task.request.hostname, os.getpid(), task.request.id), started=started,
                    webhook=webhook)
@@ -199,7 +200,7 @@ class Delivery:
                 "total_s": round(time.time() - self.started, 4),
             },
             dit_flops=cost.dit_flops, peak_memory_gib=cost.peak_memory_gib,
-            served=pipeline.served(self.req.quality), execution=str(self.token),
+            served=pipeline.served(self.req), execution=str(self.token),
             redelivered=bool(self.task.request.delivery_info.get("redelivered")))
 
     def store(self, video: bytes, result: Result) -> Result:

@@ -69,3 +69,22 @@ def ensure_tiny_model(directory, variant="wan2.2-ti2v") -> pathlib.Path:
     if (directory / "model_index.json").exists():
         return directory
     return save_tiny_model(directory, variant)
+
+
+def save_tiny_lora(model_dir, out_file, seed: int, rank: int = 4, expert: str = "transformer") -> pathlib.Path:
+    """A small random LoRA (peft, seeded: the same bytes every time) for `expert` of the tiny model in `model_dir`,
+    saved as diffusers' LoRA loaders read it (one safetensors file, `out_file`): the tests' and the docs' adapters.
+    Its A and B are random (not B = 0, peft's default), so that switching it on changes the video."""
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    transformer = WanTransformer3DModel.from_pretrained(model_dir, subfolder=expert)
+    torch.manual_seed(seed)
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
+                                       target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    out_file = pathlib.Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    WanPipeline.save_lora_weights(out_file.parent, transformer_lora_layers=get_peft_model_state_dict(transformer),
+                                  weight_name=out_file.name)
+    return out_file

@@ -37,10 +37,14 @@ DEFAULTS = {
     # experts switch, as a share of the training timesteps (None: the model's own boundary_ratio).
     "guidance_scale_2": None,
     "boundary_ratio": None,
+    # The deployment's registered LoRA adapters this request runs with, and their scales (adapters.py):
+    # [{"name": ..., "scale": ...}, ...]; none by default.
+    "loras": None,
 }
 # Unset, these are left out of a request's params (and so of its identity): requests made before they existed, or
-# to one-expert models, keep their identity.
+# to one-expert models, or without adapters, keep their identity.
 TWO_EXPERT_FIELDS = ("guidance_scale_2", "boundary_ratio")
+OPTIONAL_FIELDS = (*TWO_EXPERT_FIELDS, "loras")
 # Where the request waits, not what it makes (scheduling.py): checked here, never part of its identity.
 SCHEDULING_FIELDS = ("priority", "tenant", "user")
 # How the request is told of its events (webhooks.py), not what it makes: checked here, never part of its identity.
@@ -77,13 +81,15 @@ class GenerateRequest:
     quality: Quality
     guidance_scale_2: float | None = None
     boundary_ratio: float | None = None
+    loras: tuple[tuple[str, float | None], ...] = ()  # (name, scale) by name; a scale of None: the adapter's own
 
     def params(self, image_sha256: str | None = None) -> dict:
         """The effective inputs as reported back: the image by its hash, not its (possibly huge) bytes; the
         two-expert fields only where set."""
         p = asdict(self)
         del p["request_id"], p["image"]
-        for field in TWO_EXPERT_FIELDS:
+        p["loras"] = [{"name": name, "scale": scale} for name, scale in self.loras] or None
+        for field in OPTIONAL_FIELDS:
             if p[field] is None:
                 del p[field]
         p["image_sha256"] = image_sha256
@@ -148,10 +154,42 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
     return value
 
 
+def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tuple[str, float | None], ...]:
+    """A request's `loras`: a list of at most MAX_LORAS {"name", "scale"} objects, names of registered adapters
+    (`registered`: name -> default scale; None: unknown here, the replica checks), each once, |scale| at most
+    MAX_SCALE (left out: the adapter's default). Returns (name, scale) pairs sorted by name: the order they are
+    applied in and part of the identity. InvalidRequest naming `loras` otherwise."""
+    from .adapters import MAX_LORAS, MAX_SCALE, NAME_RE
+
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_LORAS:
+        _fail("loras", value, f"must be a list of at most {MAX_LORAS} objects {{\"name\": ..., \"scale\": ...}}")
+    pairs = {}
+    for entry in value:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or set(entry) - {"name", "scale"}:
+            _fail("loras", value, 'each entry must be an object {"name": ..., "scale": ...} (scale optional)')
+        name, scale = entry["name"], entry.get("scale")
+        if not NAME_RE.fullmatch(name) or (registered is not None and name not in registered):
+            known = "none" if not registered else ", ".join(sorted(registered))
+            _fail("loras", name, f"no such adapter here; registered: {known}" if registered is not None else
+                  "is not an adapter's name (1-64 of a-z, 0-9, '_', '.', '-')")
+        if name in pairs:
+            _fail("loras", name, "is named twice")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or
+                                  not abs(scale) <= MAX_SCALE):
+            _fail("loras", scale, f"a scale must be a number from -{MAX_SCALE:g} to {MAX_SCALE:g}")
+        if scale is None and registered is not None:
+            scale = registered[name]
+        pairs[name] = None if scale is None else float(scale)
+    return tuple(sorted(pairs.items()))
+
+
 def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
                      max_work: int | None = None, webhook_policy: bool = True,
                      qualities: list[str] | None = None, experts: int | None = None,
-                     requires_image: bool = False, defaults: dict | None = None) -> GenerateRequest:
+                     requires_image: bool = False, defaults: dict | None = None,
+                     loras: dict[str, float] | None = None) -> GenerateRequest:
     """Check `generate`'s keyword arguments and return them with defaults filled in.
 
     `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
@@ -160,7 +198,8 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     `qualities`: the paths the replica serves (None: any, the replica checks); `experts`: the transformers of the
     model (1 refuses guidance_scale_2 and boundary_ratio; None: unknown, the replica checks); `requires_image`: an
     image-to-video model, which refuses a request without `image`; `defaults`: the model's own over DEFAULTS for
-    what the request leaves out (PipelineHolder.request_defaults). Raises InvalidRequest naming the first bad field.
+    what the request leaves out (PipelineHolder.request_defaults); `loras`: the registered adapters, name -> default
+    scale (None: unknown, the replica checks). Raises InvalidRequest naming the first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
     if unknown:
@@ -215,6 +254,7 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
             "guidance_scale_2", v["guidance_scale_2"], 0.0, MAX_GUIDANCE),
         boundary_ratio=None if v["boundary_ratio"] is None else _float(
             "boundary_ratio", v["boundary_ratio"], 0.0, 1.0),
+        loras=check_loras(v["loras"], loras),
     )
     work = req.height * req.width * req.num_frames * req.num_inference_steps
     if max_work is not None and work > max_work:

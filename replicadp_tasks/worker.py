@@ -296,8 +296,9 @@ def _load_then_consume(**_):
                        requires_image=pipeline.requires_image, experts=pipeline.expert_count,
                        attention=SETTINGS.attention, compile=SETTINGS.compile, deterministic=SETTINGS.deterministic,
                        qualities=pipeline.qualities, cache=str(pipeline.cache), quantize=SETTINGS.quantize,
-                       offload=SETTINGS.offload, parallel=str(SETTINGS.parallel), pid=os.getpid(), load_s=round(time.time() - started, 3),
-                       loaded_at=time.time())
+                       offload=SETTINGS.offload, parallel=str(SETTINGS.parallel),
+                       loras=[a.info() for a in pipeline.adapters], pid=os.getpid(),
+                       load_s=round(time.time() - started, 3), loaded_at=time.time())
     log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
     # Publish what this replica serves, then ask the main process, which answers control commands from its
     # event loop (it may not run yet), to consume the shared queue. Redis may be down or restarting: wait it

@@ -46,18 +46,31 @@ class BenchConfig:
     num_frames: int = DEFAULTS["num_frames"]
     steps: int = DEFAULTS["num_inference_steps"]
     quality: str = "standard"  # or "fast", or "mixed": standard and fast in turn
+    loras: tuple[str, ...] = ()  # registered adapters: request i runs with lora_choices(loras)[i % 3]
     timeout: float = 1800.0
     label: str = ""
     peak_tflops: float = PEAK_TFLOPS  # the chip's bf16 matrix throughput, for model FLOP utilisation
 
 
+def lora_choices(names: tuple[str, ...]) -> list[list[dict] | None]:
+    """What requests in turn run with, given registered adapters: none; the first at its default scale; the
+    first at 0.5 and the second (if any) at 1.5. Nothing but none without adapters."""
+    if not names:
+        return [None]
+    both = [{"name": names[0], "scale": 0.5}] + [{"name": name, "scale": 1.5} for name in names[1:2]]
+    return [None, [{"name": names[0]}], both]
+
+
 def make_inputs(cfg: BenchConfig, count: int, seed_offset: int = 0) -> list[dict]:
     qualities = ("standard", "fast") if cfg.quality == "mixed" else (cfg.quality,)
-    return [{
+    loras = lora_choices(cfg.loras)
+    inputs = [{
         "prompt": cfg.prompts[i % len(cfg.prompts)], "seed": cfg.base_seed + seed_offset + i,
         "negative_prompt": cfg.negative_prompt, "height": cfg.height, "width": cfg.width,
         "num_frames": cfg.num_frames, "num_inference_steps": cfg.steps, "quality": qualities[i % len(qualities)],
+        "loras": loras[i % len(loras)],
     } for i in range(count)]
+    return [{k: v for k, v in request.items() if v is not None} for request in inputs]
 
 
 def _pct(values: list[float]) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import inspect
+import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated
@@ -39,6 +40,7 @@ class VideoForm:
     quality: str | None
     webhook_url: str | None
     webhook_events: str | None  # comma-separated
+    loras: str | None = None  # JSON: [{"name": ..., "scale": ...}, ...]
 
 
 async def video_form(
@@ -73,9 +75,12 @@ async def video_form(
                                                         "(docs/http.md, Webhooks).")] = None,
     webhook_events: Annotated[str | None, Form(description="Comma-separated: started, progress, completed, "
                                                            "failed (default: completed,failed).")] = None,
+    loras: Annotated[str | None, Form(description='The deployment\'s LoRA adapters to run with, as JSON: '
+                                                  '[{"name": "style", "scale": 0.8}] (scale optional; at most 4; '
+                                                  '/v1/models lists the names).')] = None,
 ) -> VideoForm:
     """The form as a FastAPI dependency (its parameters are the OpenAPI form schema)."""
-    # A field this gateway does not know (vllm-omni's flow_shift, lora...) would be silently
+    # A field this gateway does not know (vllm-omni's flow_shift, its lora object...) would be silently
     # ignored, giving another video than the one asked for: refuse it, as generate refuses unknown arguments.
     counts = Counter(name for name, _ in (await request.form()).multi_items())
     unknown = sorted(set(counts) - set(FORM_FIELDS))
@@ -101,7 +106,7 @@ async def video_form(
                      fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                      guidance_scale_2=guidance_scale_2, boundary_ratio=boundary_ratio, seed=seed,
                      negative_prompt=negative_prompt, model=model, image=image, user=user, priority=priority,
-                     quality=quality, webhook_url=webhook_url, webhook_events=webhook_events)
+                     quality=quality, webhook_url=webhook_url, webhook_events=webhook_events, loras=loras)
 
 
 FORM_FIELDS = [name for name in inspect.signature(video_form).parameters if name != "request"]
@@ -138,11 +143,18 @@ def generate_kwargs(form: VideoForm) -> dict:
         if num_frames > MAX_FRAMES:
             raise InvalidRequest.of("seconds", f"at fps={fps} that is {num_frames} frames, more than {MAX_FRAMES}",
                                     value=form.seconds)
+    loras = None
+    if form.loras is not None:
+        try:
+            loras = json.loads(form.loras)
+        except ValueError:
+            raise InvalidRequest.of("loras", 'must be JSON: [{"name": ..., "scale": ...}, ...]',
+                                    value=form.loras[:80]) from None
     kwargs = {"prompt": form.prompt, "negative_prompt": form.negative_prompt, "seed": form.seed, "height": height,
               "width": width, "num_frames": num_frames, "num_inference_steps": form.num_inference_steps,
               "guidance_scale": form.guidance_scale, "guidance_scale_2": form.guidance_scale_2,
               "boundary_ratio": form.boundary_ratio, "fps": form.fps, "image": form.image, "user": form.user,
               "priority": form.priority, "quality": form.quality, "webhook": form.webhook_url,
               "webhook_events": [e.strip() for e in form.webhook_events.split(",")]
-              if form.webhook_events is not None else None}
+              if form.webhook_events is not None else None, "loras": loras}
     return {k: v for k, v in kwargs.items() if v is not None}

@@ -163,7 +163,7 @@ class Gateway:
             req = await asyncio.to_thread(validate_request, kwargs, size_multiple=accepted.size_multiple,
                                           max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
                                           qualities=accepted.qualities, experts=accepted.experts,
-                                          requires_image=accepted.requires_image)
+                                          requires_image=accepted.requires_image, loras=accepted.loras)
         except InvalidRequest as exc:
             raise invalid(exc) from None
         asked = check_priority(kwargs.get("priority"))

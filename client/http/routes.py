@@ -125,7 +125,8 @@ async def list_models(gw: GatewayDep):
     live = await gw.replicas()
     loaded = {r.get("model"): int(r.get("loaded_at", 0)) for r in live}
     return ModelList(data=[ModelCard(id=m, created=loaded.get(m, 0), replicas=[
-        ModelReplica(name=r["name"], qualities=r.get("qualities") or [Quality.STANDARD], fast_path=fast_path(r))
+        ModelReplica(name=r["name"], qualities=r.get("qualities") or [Quality.STANDARD], fast_path=fast_path(r),
+                     loras=[a["name"] for a in r.get("loras") or []])
         for r in live if r.get("model") == m]) for m in await gw.served_models()])
 
 

@@ -66,6 +66,7 @@ class ModelReplica(BaseModel):
     name: str
     qualities: list[str]  # what a request's `quality` may be on it
     fast_path: str | None  # the step cache quality=fast runs with ("mag threshold=0.06"); None: it serves no fast path
+    loras: list[str] = []  # the LoRA adapters a request may name on it (the form's `loras`)
 
 
 class ModelCard(BaseModel):

@@ -46,6 +46,7 @@ class Accepted:
     qualities: list[str] | None = None
     experts: int | None = None  # the fewest transformers of their models: 1 refuses the two-expert fields
     requires_image: bool = False  # some serve an image-to-video model: a request without `image` may not land there
+    loras: dict[str, float] | None = None  # the adapters every one of them registered, with a default scale
 
 
 def accepted_by(infos: list[dict]) -> Accepted:
@@ -53,8 +54,11 @@ def accepted_by(infos: list[dict]) -> Accepted:
     if not infos:
         return Accepted()
     served = set.intersection(*(set(i.get("qualities") or [Quality.STANDARD]) for i in infos))
+    everywhere = set.intersection(*({a["name"] for a in i.get("loras") or []} for i in infos))
+    loras = {a["name"]: a["scale"] for a in infos[0].get("loras") or [] if a["name"] in everywhere}
     return Accepted(max(int(i.get("size_multiple") or 16) for i in infos), sorted(served, reverse=True),
-                    min(int(i.get("experts") or 1) for i in infos), any(i.get("requires_image") for i in infos))
+                    min(int(i.get("experts") or 1) for i in infos), any(i.get("requires_image") for i in infos),
+                    loras)
 
 
 def live_accepted(timeout: float = 1.0) -> Accepted:
@@ -106,6 +110,7 @@ def snapshot() -> dict:
             "serving": name in beats.serving, "qualities": info[name].get("qualities"),
             "fast_path": fast_path(info[name]), "offload": info[name].get("offload"),
             "parallel": info[name].get("parallel"),
+            "loras": [a["name"] for a in info[name].get("loras") or []],
             "request_id": progress.get("request_id") or (running or {}).get("task_id"),
             "step": progress.get("step"), "total_steps": progress.get("total_steps"),
             "running_s": time.time() - running["started_at"] if running else None,
@@ -137,7 +142,8 @@ def table(snap: dict) -> Table:
         bar = ProgressBar(total=total, completed=r["step"] or 0, width=24) if total else ""
         running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
         ways = [f"offload {r['offload']}" if r["offload"] not in (None, "none") else "",
-                r["parallel"] if r["parallel"] not in (None, "none") else ""]
+                r["parallel"] if r["parallel"] not in (None, "none") else "",
+                f"LoRA {', '.join(r['loras'])}" if r.get("loras") else ""]
         model = str(r["model"]) + (f" ({', '.join(w for w in ways if w)})" if any(ways) else "")
         t.add_row(r["name"], str(r["device"]), model, r["fast_path"] or "-", "yes" if r["serving"] else "no",
                   str(r["request_id"] or "-"), bar, step, running)
