@@ -776,8 +776,15 @@ def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_
         name = architecture_of(spec)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC")
-    fig = figures(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps, peak_tflops=peak_tflops,
-                  gpus=gpus, gpu_memory_gib=gpu_memory_gib, layout=layout)
+    from replicadp_tasks.errors import ModelLoadError
+    from replicadp_tasks.settings import SETTINGS
+
+    try:
+        fig = figures(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps,
+                      peak_tflops=peak_tflops, gpus=gpus, gpu_memory_gib=gpu_memory_gib, layout=layout,
+                      loras_file=SETTINGS.loras_file)
+    except ModelLoadError as exc:  # REPLICADP_LORAS's file
+        raise click.ClickException(str(exc))
     print_figures(fig)
     if json_out:
         write_json(json_out, fig)

@@ -235,3 +235,27 @@ def test_the_isolation_protocol_passes_with_adapters_mixed_in(redis_db, registry
     entries = json.loads((tmp_path / "baseline.json").read_text())["entries"].values()
     named = sorted(len(e["params"].get("loras", [])) for e in entries)
     assert named == [0] * 6 + [1] * 5 + [2] * 5, named
+
+
+def test_a_two_expert_model_takes_adapters_per_expert_and_describe_model_lists_them(model_cache, tmp_path):
+    """tiny-a14b with `low` registered into its low-noise expert only (experts = ["transformer_2"]) and `both`
+    into both: each is loaded where it says, a request with `low` differs from one without and leaves no layer on;
+    `replicadp describe-model` lists the registry, and names an expert a model lacks (tiny has no
+    transformer_2)."""
+    folder = model_cache / "tiny-a14b"
+    save_tiny_lora(folder, tmp_path / "low.safetensors", seed=3, expert="transformer_2")
+    save_tiny_lora(folder, tmp_path / "both.safetensors", seed=4)
+    path = write(tmp_path, '[adapters.low]\nsource = "low.safetensors"\nexperts = ["transformer_2"]\n\n'
+                           '[adapters.both]\nsource = "both.safetensors"\n')
+    h = holder("tiny-a14b", model_cache, loras_file=path)
+    assert set(h.pipe.transformer.peft_config) == {"both"}
+    assert set(h.pipe.transformer_2.peft_config) == {"low", "both"}
+    plain, low = frames(h), frames(h, [{"name": "low"}])
+    assert not np.array_equal(plain, low) and np.array_equal(plain, frames(h))
+    assert not any(not m.disable_adapters for e in (h.pipe.transformer, h.pipe.transformer_2) for m in e.modules()
+                   if hasattr(m, "lora_A"))
+    run = subprocess.run([REPLICADP, "describe-model", "tiny"], env={**os.environ, "REPLICADP_LORAS": path},
+                         capture_output=True, text=True, timeout=120)
+    assert (f"adapter 'low' ({tmp_path.resolve()}/low.safetensors), default scale 1: not for this model: this model has no "
+            "transformer_2") in run.stdout, run.stdout + run.stderr
+    assert f"adapter 'both' ({tmp_path.resolve()}/both.safetensors), default scale 1: into transformer" in run.stdout

@@ -164,6 +164,7 @@ VALID = {
     "quality": st.just("standard"),  # the session's replicas have no step cache: fast is a mistake here
     "webhook": st.just("https://example.com/hook"),  # refused here all the same: these replicas have no secret
     "webhook_events": st.sampled_from([["completed"], ["started", "progress", "completed", "failed"]]),
+    "loras": st.just([]),  # the session's replicas register no adapter: none is the only valid choice here
 }
 MISTAKES = {
     "prompt": st.sampled_from(["", "   ", "a\x00b", "\x1b[2J", "x" * 5000]),
@@ -188,6 +189,9 @@ MISTAKES = {
     "webhook": st.sampled_from(["ftp://example.com/x", "http://127.0.0.1:1/x", "http://user:pw@example.com/", "",
                                 "http://example.com/" + "a" * 3000, "http://example.com/a\x00b"]),
     "webhook_events": st.sampled_from(["completed", [], ["done"], [5], [["completed"]]]),
+    "loras": st.sampled_from(["style", {"name": "style"}, [{"name": "style"}], [{"name": "../x"}], [1],
+                              [{"name": "a", "scale": 9}], [{"name": "a", "scale": float("nan")}],
+                              [{"name": "a", "path": "/etc/passwd"}], [{"name": "a"}] * 5]),
 }
 SIZE_FIELDS = ("prompt", "height", "width", "num_frames", "num_inference_steps")
 DROP = object()  # a mutation that removes the field

@@ -17,6 +17,7 @@ from selenium.webdriver.support.select import Select
 from test_http import SMALL, auth, gateway, live, multipart, result_meta, slow  # noqa: F401 (fixtures)
 
 from replicadp_tasks.records import RequestState
+from replicadp_tasks.tiny_model import save_tiny_lora
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and "
@@ -200,5 +201,34 @@ def test_a_deployment_with_a_step_cache_offers_a_fidelity_choice(redis_db, tiny_
             job_id = my_request(browser)
             wait_for(lambda: item(browser, job_id, "li.dataset.status") == "completed", f"job {job_id} to complete")
             assert gw.client.get(f"/v1/videos/{job_id}").json()["params"]["quality"] == "fast"
+    finally:
+        group.stop()
+
+
+def test_a_deployment_with_adapters_offers_them_and_a_request_runs_with_them(redis_db, tiny_model, tmp_path, browser):
+    """A replica with a registered LoRA adapter (REPLICADP_LORAS): the page shows the LoRA field with the adapter's
+    name; a request sent with "style:0.5" runs with it (its job's params say so) and its Details list it; an
+    unregistered name is refused with the gateway's error beside the field."""
+    save_tiny_lora(tiny_model, tmp_path / "style.safetensors", seed=1)
+    (tmp_path / "loras.toml").write_text('[adapters.style]\nsource = "style.safetensors"\n')
+    url = redis_db()
+    group = start_replicas(1, url, "ui-loras", REPLICADP_LORAS=str(tmp_path / "loras.toml"))
+    try:
+        with gateway(url, "ui-loras") as gw:
+            open_page(browser, gw)
+            wait_for(lambda: browser.find_element(By.ID, "loras-field").is_displayed(), "the LoRA field")
+            assert browser.find_element(By.ID, "loras-available").text == "style"
+            fill(browser, prompt="a fox in snow", size="64x64", length=9, num_inference_steps=2, seed=5, loras="nope")
+            browser.find_element(By.ID, "submit").click()
+            error = wait_for(lambda: browser.find_element(By.ID, "err-loras").text, "the error beside the LoRA field")
+            assert "no such adapter here; registered: style" in error, error
+            fill(browser, loras="style:0.5")
+            browser.find_element(By.ID, "submit").click()
+            job_id = my_request(browser)
+            wait_for(lambda: item(browser, job_id, "li.dataset.status") == "completed", f"job {job_id} to complete")
+            assert gw.client.get(f"/v1/videos/{job_id}").json()["params"]["loras"] == [{"name": "style", "scale": 0.5}]
+            wait_for(lambda: plays(browser, job_id), f"{job_id} to show in the gallery")
+            browser.find_element(By.CSS_SELECTOR, f'.card[data-video-id="{job_id}"] button.view').click()
+            assert "LoRA adapters\nstyle:0.5" in browser.find_element(By.ID, "detail-meta").text
     finally:
         group.stop()

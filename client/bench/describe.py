@@ -9,6 +9,7 @@ from rich.table import Table
 
 from replicadp_tasks.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, build_components,
                                            build_tokenizer, describe, reference_expert_flops, video_tokens)
+from replicadp_tasks.adapters import read_registry
 from replicadp_tasks.memory import Offload, needs, size, usable
 from replicadp_tasks.parallel import Layout
 from replicadp_tasks.pipeline import RANDOM_PREFIX, TINY_SPECS, placement
@@ -71,12 +72,27 @@ def layout_figures(name: str, layout: Layout, *, width: int, height: int, num_fr
             "dit_flops_per_rank": dit_flops // layout.size}
 
 
+def adapter_rows(name: str, loras_file: str | None) -> list[dict]:
+    """The LoRA adapters REPLICADP_LORAS registers (read, not loaded: ModelLoadError naming a mistake), each with
+    the experts it would be loaded into, or why this model cannot take it (an expert it does not have)."""
+    experts = list(architecture(name).experts)
+    rows = []
+    for reg in read_registry(loras_file):
+        missing = [e for e in reg.experts or () if e not in experts]
+        rows.append({"name": reg.name, "source": reg.source, "scale": reg.scale,
+                     "experts": list(reg.experts or experts),
+                     "refused": f"this model has no {', '.join(missing)}" if missing else None})
+    return rows
+
+
 def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, peak_tflops: float,
-            gpus: int = 1, gpu_memory_gib: float = GPU_MEMORY_GIB, layout: Layout = Layout()) -> dict:
+            gpus: int = 1, gpu_memory_gib: float = GPU_MEMORY_GIB, layout: Layout = Layout(),
+            loras_file: str | None = None) -> dict:
     """Each component's parameters (built on the meta device: nothing is allocated), each expert's steps and
     FLOPs for one request of that shape, guidance on (`dit_flops`: all experts together), whether `gpus`
     GPUs of `gpu_memory_gib` hold the weights, all resident and with each memory option, and, for a layout over
-    several ranks, each rank's share (layout_figures)."""
+    several ranks, each rank's share (layout_figures), and the LoRA adapters a replica would register
+    (adapter_rows)."""
     rows = describe(name)
     experts = reference_expert_flops(name, width=width, height=height, num_frames=num_frames, steps=steps)
     dit_flops = sum(e["dit_flops"] for e in experts.values())
@@ -86,7 +102,8 @@ def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, 
             "dit_flops": dit_flops, "peak_tflops": peak_tflops, "memory": memory(rows, gpus, gpu_memory_gib),
             "offload": offload_needs(name, gpus, gpu_memory_gib),
             "parallel": layout_figures(name, layout, width=width, height=height, num_frames=num_frames,
-                                       dit_flops=dit_flops) if layout.size > 1 else None}
+                                       dit_flops=dit_flops) if layout.size > 1 else None,
+            "loras": adapter_rows(name, loras_file)}
 
 
 def print_figures(fig: dict) -> None:
@@ -128,3 +145,7 @@ def print_figures(fig: dict) -> None:
                           f"with --gpus 1); transformer FLOPs per rank {per_rank / 1e15:.2f} PFLOP: "
                           f"{per_rank / (peak * 1e12):.2f} s at {peak:g} TFLOP/s, before communication "
                           f"(bench/parallel.py --model-only prices it)")
+    for a in fig["loras"]:
+        where = f"not for this model: {a['refused']}" if a["refused"] else f"into {', '.join(a['experts'])}"
+        console.print(f"REPLICADP_LORAS: adapter {a['name']!r} ({a['source']}), default scale {a['scale']:g}: "
+                      f"{where}")

@@ -101,6 +101,7 @@ class ReplicaStatus(BaseModel):
     accepts_image: bool
     qualities: list[str] | None  # the fidelities it serves (the form's `quality`); None: it offers no choice
     size_multiple: int | None
+    loras: list[str] = []  # the LoRA adapters a request may name on it (the form's `loras`)
     serving: bool  # False while it loads its model
     running: RunningRequest | None
 

@@ -119,7 +119,7 @@ async def status(request: Request, gw: GatewayDep, owner: OwnerDep):
             name=seen["name"], device=info.get("device"), model=info.get("model"),
             accepts_image=bool(info.get("accepts_image")), size_multiple=info.get("size_multiple"),
             qualities=[str(q) for q in qualities] if isinstance(qualities, list) else None,
-            serving=seen["serving"], running=running))
+            loras=[a["name"] for a in info.get("loras") or []], serving=seen["serving"], running=running))
     queued = await gw.queue_by_priority()
     mean = await mean_request_s(gw)
     return ClusterStatus(replicas=replicas, queue_depth=sum(queued.values()),

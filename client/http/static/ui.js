@@ -12,7 +12,7 @@ const ENDED = new Set(["completed", "failed", "cancelled", "gone"]);
 const FIELD_OF = {prompt: "prompt", negative_prompt: "negative_prompt", size: "size", width: "size",
   height: "size", num_frames: "length", seconds: "length", fps: "length", num_inference_steps: "num_inference_steps",
   guidance_scale: "guidance_scale", seed: "seed", priority: "priority", quality: "quality",
-  input_reference: "input_reference"};
+  input_reference: "input_reference", loras: "loras"};
 const INPUT_OF = {length: "f-length"};  // the others are f-<field>
 
 const $ = (id) => document.getElementById(id);
@@ -225,6 +225,16 @@ function showError(err) {
   }
 }
 
+// "style:0.8, motion" -> [{name: "style", scale: 0.8}, {name: "motion"}]; a scale that is not a number goes as
+// typed, for the gateway to refuse naming the field.
+function parseLoras(text) {
+  return text.split(",").map((part) => part.trim()).filter(Boolean).map((part) => {
+    const [name, scale] = part.split(":").map((x) => x.trim());
+    if (scale === undefined) return {name};
+    return {name, scale: scale !== "" && !Number.isNaN(Number(scale)) ? Number(scale) : scale};
+  });
+}
+
 function formData() {
   const data = new FormData();
   const text = (id) => $(id).value.trim();
@@ -233,6 +243,7 @@ function formData() {
   }
   if (text("f-length") !== "") data.append($("f-length-unit").value, text("f-length"));
   if (!$("quality-field").hidden) data.append("quality", $("f-quality").value);
+  if (!$("loras-field").hidden && text("f-loras") !== "") data.append("loras", JSON.stringify(parseLoras(text("f-loras"))));
   const image = $("f-input_reference");
   if (!$("image-field").hidden && image.files.length) data.append("input_reference", image.files[0]);
   return data;
@@ -328,6 +339,9 @@ function renderStatus() {
     select.replaceChildren(...qualities.map((q) => new Option(q, q)));
   }
   $("quality-field").hidden = qualities.length === 0;
+  const loras = [...new Set(st.replicas.flatMap((r) => r.loras || []))];
+  $("loras-available").textContent = loras.join(", ");
+  $("loras-field").hidden = loras.length === 0;
 }
 
 // --- videos ------------------------------------------------------------------------------------------------
@@ -422,7 +436,12 @@ function rerunForm(job) {
   data.append("guidance_scale", String(p.guidance_scale));
   data.append("fps", String(p.fps));
   if (p.quality != null) data.append("quality", p.quality);
+  if (p.loras != null) data.append("loras", JSON.stringify(p.loras));
   return data;
+}
+
+function lorasText(loras) {
+  return loras.map((l) => `${l.name}:${l.scale}`).join(", ");
 }
 
 function openDetail(job) {
@@ -436,6 +455,7 @@ function openDetail(job) {
     ["First frame sha256", p.image_sha256], ["Frames sha256", job.frames_sha256], ["Video sha256", job.video_sha256],
     ["Job id", job.id]];
   if (p.quality != null) pairs.splice(5, 0, ["Fidelity", p.quality]);
+  if (p.loras != null) pairs.splice(5, 0, ["LoRA adapters", lorasText(p.loras)]);
   $("detail-meta").replaceChildren(...metaList(pairs).childNodes);
   const rerun = $("rerun");
   rerun.disabled = !job.params || p.image_sha256 != null;
@@ -469,6 +489,7 @@ function copyToForm() {
   $("f-guidance_scale").value = p.guidance_scale;
   $("f-seed").value = p.seed;
   if (p.quality != null) $("f-quality").value = p.quality;
+  $("f-loras").value = p.loras != null ? lorasText(p.loras) : "";
   $("detail").close();
   $("f-prompt").focus();
 }
