@@ -96,10 +96,10 @@ def test_quality_is_validated_and_part_of_the_identity(tiny_model, mag_ratios):
         validate_request({**REQUEST, "quality": "fast"}, qualities=plain.qualities)
     assert validate_request({**REQUEST, "quality": "fast"}, qualities=cached.qualities).quality == "fast"
     pab = holder(tiny_model, CacheMethod.PAB)
-    keys = {input_key(req(q).params(), "tiny", h.served(req(q).quality))
+    keys = {input_key(req(q).params(), "tiny", h.served(req(q)))
             for q, h in (("standard", plain), ("standard", cached), ("fast", cached), ("fast", pab))}
     assert len(keys) == 3  # the standard path is the same whatever cache the deployment has
-    assert cached.served(req("fast").quality) == {"cache": "mag threshold=0.06"} and plain.served(req().quality) == {}
+    assert cached.served(req("fast")) == {"cache": "mag threshold=0.06"} and plain.served(req()) == {}
 
 
 def interrupted(h: PipelineHolder, request) -> None:
@@ -185,7 +185,8 @@ def test_isolation_protocol_with_standard_and_fast_interleaved(isa, redis_db, ti
     assert len(stored) == 16 + 4 + 16  # the baseline's requests, the check's warm-ups (its concurrency) and its own
     assert sorted(r["params"]["quality"] for r in stored) == ["fast"] * 18 + ["standard"] * 18
     h = holder(tiny_model, CacheMethod.MAG, mag_ratios)
-    assert {r["params"]["quality"]: r["served"] for r in stored} == {"standard": {}, "fast": h.served("fast")}
+    fast_req = validate_request({"prompt": "x", "quality": "fast"}, qualities=h.qualities)
+    assert {r["params"]["quality"]: r["served"] for r in stored} == {"standard": {}, "fast": h.served(fast_req)}
     fast = next(r["params"] for r in stored if r["params"]["quality"] == "fast")
     calls = count_block_work(h.pipe.transformer)
     exact = h.generate(req("standard", prompt=fast["prompt"], seed=fast["seed"]))
