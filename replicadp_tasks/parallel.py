@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, TypedDict
 
 from .errors import GroupLost
@@ -126,13 +127,31 @@ def check_heads(layout: Layout, heads: int) -> None:
                              f"divides {heads}")
 
 
+STORE_PREFIX = "replicadp-group-"
+
+
 def new_store() -> str:
     """A path for the group's rendezvous file (torch's FileStore), one per replica and start: the ranks meet through
-    a file, so no rendezvous port listens anywhere. In the temp folder; Followers.close removes it."""
-    fd, path = tempfile.mkstemp(prefix="replicadp-group-")
+    a file, so no rendezvous port listens anywhere. In the temp folder, named by rank 0's pid; Followers.close
+    removes it, and here the files of rank 0s that are gone (killed before they could) are removed first."""
+    for old in Path(tempfile.gettempdir()).glob(f"{STORE_PREFIX}*-*"):
+        pid = old.name[len(STORE_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.unlink(missing_ok=True)
+    fd, path = tempfile.mkstemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
     os.close(fd)
     os.unlink(path)  # FileStore creates it; a file left from another group would mix two rendezvous
     return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def join(rank: int, layout: Layout, store_path: str, device: str, timeout_s: float, form_timeout_s: float) -> None:

@@ -265,6 +265,18 @@ def _record_holder(request, **_):
         MAIN.keeper.hold(request.message.delivery_tag)
 
 
+@signals.worker_process_shutdown.connect
+def _end_followers(**_):
+    """In a pool child that ends normally (a warm shutdown, a recycle): end its follower ranks and remove their
+    rendezvous file (parallel.py), instead of leaving them to PDEATHSIG and the file to the next group's sweep."""
+    try:
+        followers = child.current().pipeline.followers
+    except RuntimeError:  # it never loaded
+        return
+    if followers is not None:
+        followers.close()
+
+
 def _end_attempt(why: str) -> None:
     """A follower of this multi-process replica died (parallel.py): end this pool child as a killed one ends, so
     that its request is requeued and the pool's next child rebuilds the group."""

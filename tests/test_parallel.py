@@ -237,3 +237,22 @@ def test_a_k2_run_is_checked_against_a_one_process_baseline(k2, replicas, redis_
     assert two.returncode == 0, two.stdout + two.stderr
     iso = json.loads(report.read_text())["isolation"]
     assert iso["unknown"] == 0 and iso["matched"] + iso["tolerated"] == 4 and iso["passed"], iso
+
+
+def test_a_new_group_removes_the_rendezvous_files_of_rank_0s_that_are_gone(tmp_path, monkeypatch):
+    """A replica's ranks meet through a file (no port); a rank 0 killed before it could remove its file leaves it:
+    the next group's new_store removes the files of dead rank 0s, keeps those of live ones, and names its own by
+    its pid."""
+    import tempfile
+
+    from replicadp_tasks.parallel import STORE_PREFIX, new_store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone, live = tmp_path / f"{STORE_PREFIX}{dead.pid}-abc", tmp_path / f"{STORE_PREFIX}{os.getpid()}-def"
+    gone.write_text("x")
+    live.write_text("x")
+    path = new_store()
+    assert not gone.exists() and live.exists()
+    assert Path(path).parent == tmp_path and Path(path).name.startswith(f"{STORE_PREFIX}{os.getpid()}-")
