@@ -34,6 +34,11 @@ MAX_SCALE = 4.0  # |scale|: past a few, a LoRA trained at 1 gives noise, not a s
 EXPERTS = ("transformer", "transformer_2")
 
 
+def is_scale(value) -> bool:
+    """An adapter's scale: a number (not a bool) of at most MAX_SCALE either way; for the registry and requests."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and abs(value) <= MAX_SCALE
+
+
 @dataclass(frozen=True)
 class Adapter:
     """A registered adapter as a replica loaded it."""
@@ -82,7 +87,7 @@ def read_registry(path: str | None) -> list[Registration]:
         if not isinstance(source, str) or not source:
             raise ModelLoadError(f"{at}: source must be a file's path or hf://owner/repo/file")
         scale = table.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not abs(scale) <= MAX_SCALE:
+        if not is_scale(scale):
             raise ModelLoadError(f"{at}: scale={scale!r} must be a number from -{MAX_SCALE:g} to {MAX_SCALE:g}")
         experts = table.get("experts")
         if experts is not None and (not isinstance(experts, list) or not experts or

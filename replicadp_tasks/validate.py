@@ -159,7 +159,7 @@ def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tupl
     (`registered`: name -> default scale; None: unknown here, the replica checks), each once, |scale| at most
     MAX_SCALE (left out: the adapter's default). Returns (name, scale) pairs sorted by name: the order they are
     applied in and part of the identity. InvalidRequest naming `loras` otherwise."""
-    from .adapters import MAX_LORAS, MAX_SCALE, NAME_RE
+    from .adapters import MAX_LORAS, MAX_SCALE, NAME_RE, is_scale
 
     if value is None:
         return ()
@@ -176,8 +176,7 @@ def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tupl
                   "is not an adapter's name (1-64 of a-z, 0-9, '_', '.', '-')")
         if name in pairs:
             _fail("loras", name, "is named twice")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or
-                                  not abs(scale) <= MAX_SCALE):
+        if scale is not None and not is_scale(scale):
             _fail("loras", scale, f"a scale must be a number from -{MAX_SCALE:g} to {MAX_SCALE:g}")
         if scale is None and registered is not None:
             scale = registered[name]
