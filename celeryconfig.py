@@ -1,15 +1,21 @@
 """Every Celery setting replicadp uses, each with the reason for it. Values come from
 replicadp_tasks.settings, which reads the environment once at start-up."""
 
+from replicadp_tasks.connection import celery_backend_url as _celery_backend_url
+from replicadp_tasks.connection import celery_options as _celery_options, celery_url as _celery_url
 from replicadp_tasks.scheduling import LEVELS as _LEVELS
 from replicadp_tasks.settings import SETTINGS as _S
 from replicadp_tasks.transport import transport_for as _transport_for
 
 # One Redis serves as broker and result backend; REDIS_URL (or `replicadp up`'s state) names it.
-broker_url = _S.redis_url
-result_backend = _S.redis_url
-# kombu's Redis transport with a check of every request message before Celery reads it (a malformed one crashed
-# the main process of every replica in turn); Sentinel and other transports go without.
+# The URL as given, for replicadp's own clients (client.api.redis_url). A Sentinel URL reaches Celery without
+# our query parameters; the master's name goes in the transport options.
+replicadp_redis_url = _S.redis_url
+broker_url = _celery_url(_S.redis_url)
+result_backend = _celery_backend_url(_S.redis_url)
+result_backend_transport_options = _celery_options(_S.redis_url)
+# kombu's Redis transport (or its Sentinel one) with a check of every request message before Celery reads it (a
+# malformed one crashed the main process of every replica in turn); other transports go without.
 broker_transport = _transport_for(_S.redis_url)
 
 # A replica's life cycle (its signal handlers and lease bootstep): imported by `celery worker` before it starts,
@@ -54,7 +60,8 @@ task_time_limit = _S.time_limit_s
 # Redis redelivers an unacknowledged message after visibility_timeout: keep it above the hard limit,
 # or a long request runs twice.
 # One list per replicadp priority (scheduling.py), read in that order; kombu's default has a fourth.
-broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300, "priority_steps": _LEVELS}
+broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300, "priority_steps": _LEVELS,
+                            **_celery_options(_S.redis_url)}
 # Sending a request rides out a Redis restart (~30 s of retries) instead of failing the caller.
 task_publish_retry_policy = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 # An unreachable Redis is a clear error within seconds, not a hang.

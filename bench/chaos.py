@@ -39,6 +39,7 @@ from client.api import run_requests, use_redis  # noqa: E402
 from client.cli import size_param  # noqa: E402
 from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
+from replicadp_tasks import connection  # noqa: E402
 from replicadp_tasks.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
 from replicadp_tasks.records import RequestState  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
@@ -115,7 +116,7 @@ class Chaos:
         self.release = threading.Event()
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.server.url, socket_timeout=2, socket_connect_timeout=2)
+        return connection.client(self.server.url, socket_timeout=2, socket_connect_timeout=2)
 
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(0.5, 1.5) * self.interval):

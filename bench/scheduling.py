@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
+from replicadp_tasks import connection  # noqa: E402
 from replicadp_tasks.validate import REFERENCE_WORK  # noqa: E402
 
 # Every request but the mixed ones: 64x64, 5 frames (encoding takes milliseconds), STEPS steps of the synthetic
@@ -53,12 +54,10 @@ def short(prompt: str, **fields) -> dict:
 
 def purge() -> None:
     """Drop what still waits (the backlog no one measures) and let the replicas finish what they run."""
-    import redis
-
     from replicadp_tasks.scheduling import queue_lists
     from replicadp_tasks.settings import SETTINGS
 
-    client = redis.Redis.from_url(SETTINGS.redis_url)
+    client = connection.client(SETTINGS.redis_url)
     client.delete(*queue_lists(SETTINGS.queue))
     time.sleep(2.0)
 
@@ -85,14 +84,12 @@ def phase_mixed(n: int) -> dict:
 
 
 def phase_interactive(n: int, gap: float) -> dict:
-    import redis
-
     from replicadp_tasks import generate
     from replicadp_tasks.scheduling import next_request
     from replicadp_tasks.settings import SETTINGS
 
     warm(n)
-    client = redis.Redis.from_url(SETTINGS.redis_url)
+    client = connection.client(SETTINGS.redis_url)
     sent = 0
     arrivals = []
     began = time.time()

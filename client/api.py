@@ -18,13 +18,14 @@ from typing import Callable, Iterable, Iterator
 import redis
 from celery import Celery
 
-from replicadp_tasks import app, generate
+from replicadp_tasks import app, connection, generate
 from replicadp_tasks.app import check_one_redis
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks import heartbeat
 from replicadp_tasks.keys import CANCEL_KEY
 from replicadp_tasks.records import RequestState, Result
-from replicadp_tasks.settings import SETTINGS, redacted
+from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.connection import redacted
 from replicadp_tasks.store import delete_stored, with_video_url
 from replicadp_tasks.store import fetch_video as _fetch
 from replicadp_tasks.transport import transport_for
@@ -67,12 +68,20 @@ class InFlight:
 
 
 def redis_url() -> str:
-    return app.conf.broker_url
+    """This process's Redis URL: Celery's broker is the same Redis, but a Sentinel URL reaches Celery without its
+    master's name (connection.celery_url)."""
+    return app.conf.replicadp_redis_url
 
 
 def _on(url: str) -> dict:
     """The Celery settings that name the Redis at `url`: broker, result backend, and the transport for its scheme."""
-    return {"broker_url": url, "result_backend": url, "broker_transport": transport_for(url)}
+    import celeryconfig
+
+    options = connection.celery_options(url)
+    broker = {k: v for k, v in celeryconfig.broker_transport_options.items() if k not in connection.CELERY_OPTIONS}
+    return {"replicadp_redis_url": url, "broker_url": connection.celery_url(url), "result_backend": connection.celery_backend_url(url),
+            "broker_transport": transport_for(url), "broker_transport_options": broker | options,
+            "result_backend_transport_options": options}
 
 
 def use_redis(url: str) -> None:
@@ -87,7 +96,7 @@ def check_redis(url: str | None = None, timeout: float = 3.0) -> None:
     """Fail within seconds, with the URL (password hidden), when Redis cannot be reached."""
     url = url or redis_url()
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping()
+        connection.client(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping()
     except redis.exceptions.RedisError as exc:
         raise ClientError(f"cannot reach Redis at {redacted(url)} (set REDIS_URL or --redis-url, or run "
                           f"`replicadp up`): {exc}") from exc
@@ -106,7 +115,7 @@ def _app_for(url: str) -> Celery:
 @functools.lru_cache(maxsize=None)
 def redis_client(url: str, timeout: float) -> redis.Redis:
     """A client of the Redis at `url` whose calls give up after `timeout` seconds, kept for the next call."""
-    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return connection.client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
 def live_replicas(timeout: float = 1.0, url: str | None = None) -> list[str]:
@@ -143,6 +152,8 @@ def cancel_request(task_id: str) -> None:
     """Cancel a request: a queued one fails as RequestCancelled when a replica takes it, a running one at its
     next denoising step; the replica keeps its model either way. A request that has ended is left as it is."""
     app.backend.client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s)
+    connection.replicated(app.backend.client, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
+                          f"cancel of {task_id}")
 
 
 def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float = 1800.0,

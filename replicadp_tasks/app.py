@@ -5,7 +5,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from celery import Celery, signals
 
-from .settings import redacted
+from .connection import redacted
 
 app = Celery("replicadp")
 app.config_from_object("celeryconfig")
@@ -14,7 +14,10 @@ app.config_from_object("celeryconfig")
 def redis_address(url: str):
     """What names one Redis database in a URL, to compare two: scheme, host, port (default 6379), DB (default 0),
     user and password. Hosts are compared as written, never resolved: localhost and 127.0.0.1 differ. A URL that
-    is not one redis:// or rediss:// server (Sentinel, a failover list, a socket) is compared as written."""
+    is not one redis:// or rediss:// server (Sentinel, a failover list, a socket) is compared as written, without
+    the result backend's class (`module:Class+`)."""
+    scheme, sep, rest = url.partition("://")
+    url = scheme.split("+", 1)[-1] + sep + rest
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss") or ";" in url:
         return url

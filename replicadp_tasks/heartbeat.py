@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, TypedDict
 
 import redis
 
+from . import connection
 from .keys import RUNNING_KEY, SERVING_KEY, STANDBY_KEY
 
 log = logging.getLogger("replicadp")
@@ -96,7 +97,7 @@ class Heartbeat:
         self.name, self.stale_s = name, stale_s
         self.consuming, self.running = consuming, running
         # Its own connection, short timeouts: a beat that fails is retried at the next one.
-        self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
         self._beat = self.redis.register_script(_BEAT)
         self._left = threading.Event()
         self._thread: threading.Thread | None = None

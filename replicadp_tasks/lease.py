@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import redis
 
+from . import connection
 from .keys import ALIVE_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken, fence_key
 
 log = logging.getLogger("replicadp")
@@ -117,7 +118,7 @@ class FenceKeeper:
     steps). Its own connection, short timeouts: a renewal that fails is retried at the next tick."""
 
     def __init__(self, url: str, lease_s: int):
-        self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
         self.lease_s = lease_s
         self.current: tuple[str, FenceToken] | None = None  # (fence key, token) of the request being computed
 
@@ -153,7 +154,7 @@ class Keeper:
 
     def __init__(self, name: str, url: str, lease_s: int):
         self.name, self.lease_s = name, lease_s
-        self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
         self.healthy_since: float | None = None
         self.started = False  # False until the first sweep: what this name holds then is a previous process's
         self.missing: dict[str, float] = {}  # tag recorded as ours but not among our requests -> since when

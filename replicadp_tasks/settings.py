@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
+from .connection import RedisURLError, parse
 from .logs import LogFormat
 from .memory import Offload
 from .parallel import Layout
@@ -115,12 +115,12 @@ def _redis_url() -> str:
         return "redis://127.0.0.1:6379/0"
 
 
-def redacted(url: str) -> str:
-    """A Redis URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password:
-        host = parts.hostname + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=f":***@{host}"))
+def _checked_redis_url() -> str:
+    url = _redis_url()
+    try:
+        parse(url)
+    except RedisURLError as exc:
+        raise SystemExit(f"replicadp: {exc}") from None
     return url
 
 
@@ -156,6 +156,8 @@ class Settings:
     lease_s: int
     replica_stale_s: int
     redis_outage_s: int
+    redis_replicas: int
+    redis_ack_timeout_ms: int
     max_image_bytes: int
     image_timeout_s: int
     fetch_allow: tuple
@@ -180,7 +182,7 @@ class Settings:
         # Where `tiny` models are built on first use; shared by the replicas of a host.
         model_cache = Path(os.environ.get("REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models"))
         return cls(
-            redis_url=_redis_url(),
+            redis_url=_checked_redis_url(),
             model=model,
             # One shared queue that every replica pulls from: routing is work-conserving by construction.
             queue=os.environ.get("REPLICADP_QUEUE", "video"),
@@ -256,6 +258,14 @@ class Settings:
             # A replica waits this long for Redis to come back before it fails the request it serves (its result is
             # kept meanwhile: computing a 5B request again costs minutes); a Redis restart takes seconds.
             redis_outage_s=_int("REPLICADP_REDIS_OUTAGE", 300),
+            # Writes a guarantee rests on (a queued request, a fence, a result, a cancel) wait until this many Redis
+            # replicas hold them, so that a failover keeps them (connection.replicated). A Sentinel URL: 1, which
+            # the replica Sentinel promotes (the most up to date) has; a single server: 0 (nothing to wait for).
+            # Give 1 for a managed Redis with a replica behind one endpoint.
+            redis_replicas=_int("REPLICADP_REDIS_REPLICAS", 1 if parse(_redis_url()).is_sentinel else 0),
+            # A replica answers WAIT in well under a millisecond; one that does not answer in this is down or
+            # cut off, and the write goes on with the master's copy alone (logged).
+            redis_ack_timeout_ms=_int("REPLICADP_REDIS_ACK_TIMEOUT_MS", 1000),
             # A first frame is at most a few MB; larger inputs are refused before decoding.
             max_image_bytes=_int("REPLICADP_MAX_IMAGE_BYTES", 20 * 1024 * 1024),
             # A slow image server must not hold a GPU: seconds for the whole download, all redirects included.

@@ -26,6 +26,7 @@ import redis
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
+from . import connection
 from .errors import StoreError
 from .keys import REQUEST_ID_RE, STORE_KEY, SWEEP_KEY
 
@@ -384,7 +385,7 @@ def outage_tolerant(url: str, outage_s: int):
     from redis.retry import Retry
 
     # Retries 1 s apart once the backoff has grown (the first few are quicker).
-    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30,
+    return connection.client(url, socket_connect_timeout=5, socket_timeout=30,
                                 retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), outage_s + 5),
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
@@ -431,7 +432,7 @@ def delete_stored(result: dict, redis_url: str, s3_endpoint_url: str | None = No
     request did)."""
     uri, request_id = result["video_uri"], result["request_id"]
     if uri.startswith("redis-key:"):
-        RedisStore(redis.Redis.from_url(redis_url), 0).delete(request_id)
+        RedisStore(connection.client(redis_url), 0).delete(request_id)
     elif uri.startswith("s3://"):
         bucket, key = _s3_location(uri)
         stem = key.rsplit(".", 2)[0]  # `<prefix><request_id>` of `<prefix><request_id>.<write id>.mp4`
@@ -445,7 +446,7 @@ def fetch_video(video_uri: str, redis_url: str, sha256: str | None = None, s3_en
     """The MP4 bytes behind a result's video_uri, whatever the store; checked against the result's `sha256` when
     given, so that no other bytes are ever handed out under a result."""
     if video_uri.startswith("redis-key:"):
-        data = redis.Redis.from_url(redis_url).get(video_uri[len("redis-key:"):])
+        data = connection.client(redis_url).get(video_uri[len("redis-key:"):])
         if data is None:
             raise StoreError(f"{video_uri}: not in Redis (expired after REPLICADP_STORE_TTL?)")
     elif video_uri.startswith("s3://"):

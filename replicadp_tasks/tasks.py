@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from . import child, lease
+from . import child, connection, lease
 from .app import app
 from .errors import GroupLost, InvalidRequest, Parked, PoisonRequest, RequestCancelled, RequestIdConflict
 from .images import load_first_frame
@@ -134,6 +134,9 @@ class Delivery:
         message waits in Redis for the fence to be free (lease.Keeper.park); this start is not counted."""
         me = child.current()
         answer = lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s)
+        if answer.state == FenceState.ACQUIRED:  # a failover keeps it: no second delivery computes meanwhile
+            connection.replicated(me.redis, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
+                                  f"request {self.request_id}'s fence")
         done = me.store.get_meta(self.request_id)  # after the fence: a result stored just before counts
         if done is not None:
             if answer.ours:
@@ -212,4 +215,7 @@ class Delivery:
         if stored["execution"] != result["execution"]:  # another delivery computed it too
             me.redis.hincrby(STATS_KEY, "duplicate_executions", 1)
         me.record_completion(self.request_id)
+        # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
+        connection.replicated(me.redis, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
+                              f"request {self.request_id}'s result")
         return stored

@@ -18,7 +18,7 @@ import time
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
-from . import message, scheduling
+from . import connection, message, scheduling
 from .errors import InvalidRequest, MessageRefused
 from .keys import DEAD_KEY, STANDBY_PREFIX, STATS_KEY
 from .settings import SETTINGS
@@ -74,7 +74,8 @@ class Channel(kombu_redis.Channel):
         tenant = scheduling.check_tenant(headers.get(scheduling.TENANT_HEADER))
         user = scheduling.check_user(headers.get("replicadp_user"))
         if SETTINGS.scheduling == scheduling.Scheduling.FIFO:
-            return super()._put(queue, message, **kwargs)
+            super()._put(queue, message, **kwargs)
+            return self._replicated(headers.get("id"))
         # Placed one at a time (kombu's publish batches only LPUSH): each place reads the list as it is now.
         kwargs.pop("_publish_batch", None)
         # A copy: kombu hands the same message to every queue bound to the exchange. The tenant, user-order and
@@ -88,6 +89,13 @@ class Channel(kombu_redis.Channel):
         placed = {**message, "headers": {**rest, **lane}, "properties": {**props, "priority": priority.level}}
         with self.conn_or_acquire() as client:
             scheduling.place(client, self._q_for_pri(queue, priority.level), dumps(placed), tenant, user)
+        self._replicated(headers.get("id"))
+
+    def _replicated(self, task_id) -> None:
+        """A request the producer was told is queued survives a failover: wait for the replicas to hold it."""
+        with self.conn_or_acquire() as client:
+            connection.replicated(client, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
+                                  f"request {task_id} queued")
 
     def _create_client(self, asynchronous=False):
         client = super()._create_client(asynchronous)
@@ -114,7 +122,21 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """Channel, on the master that Sentinel names; a connection to a server that stopped being the master is
+    dropped (connection.MasterConnection) and the next goes to the new one."""
+
+    connection_class = connection.MasterConnection
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
 def transport_for(url: str) -> str | None:
-    """Celery's broker_transport for `url`: this one for redis:// and rediss://; kombu's own for the others
-    (Sentinel, ...), which go unchecked."""
-    return f"{__name__}:Transport" if url.partition("://")[0] in ("redis", "rediss") else None
+    """Celery's broker_transport for `url`: these for redis://, rediss:// and sentinel://; kombu's own for the
+    others, which go unchecked."""
+    scheme = url.partition("://")[0]
+    if scheme == connection.SENTINEL_SCHEME:
+        return f"{__name__}:SentinelTransport"
+    return f"{__name__}:Transport" if scheme in ("redis", "rediss") else None

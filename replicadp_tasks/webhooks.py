@@ -38,7 +38,7 @@ from typing import NotRequired, TypedDict
 
 import redis
 
-from . import fetch
+from . import connection, fetch
 from .errors import InvalidRequest
 from .keys import (STATS_KEY, WEBHOOK_ATTEMPTS_KEY, WEBHOOK_BACKOFF_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY,
                    WEBHOOK_FAILS_KEY, WEBHOOK_SENDING_KEY, WEBHOOK_SENT_KEY)
@@ -360,7 +360,7 @@ class Sender:
     """In a replica's main process: SENDERS threads that take due events and send them."""
 
     def __init__(self, url: str, secret: str, allow_nets: tuple, claim_s: int):
-        self.redis = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
         self.secret, self.allow_nets, self.claim_s = secret, allow_nets, claim_s
 
     def start(self) -> None:

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import redis
 
+from replicadp_tasks import connection
 from replicadp_tasks.architectures import PEAK_TFLOPS
 from replicadp_tasks.validate import DEFAULTS
 
@@ -154,7 +154,7 @@ def run_bench(cfg: BenchConfig, *, model: str | None = None, save_dir: Path | No
     check_redis()
     live = wait_for_replicas(cfg.timeout)
     if model:
-        served = {info.get("model") for info in replica_info(redis.Redis.from_url(redis_url()), live).values()}
+        served = {info.get("model") for info in replica_info(connection.client(redis_url()), live).values()}
         if served != {model}:
             raise ClientError(f"--model {model!r}: the live replicas serve {sorted(map(str, served))}")
     with progress_bar() as bar:

@@ -13,13 +13,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 from fastapi import Request
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from replicadp_tasks import app as celery_app
-from replicadp_tasks import generate
+from replicadp_tasks import connection, generate
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, REPLICA_KEY
 from replicadp_tasks.records import READY
@@ -93,9 +92,9 @@ class Gateway:
 
     def __init__(self, max_queue: int, sync_timeout: float):
         self.sync_timeout = sync_timeout
-        self.redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-            redis_url(), max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT_S,
-            retry=Retry(NoBackoff(), REDIS_RETRIES), health_check_interval=REDIS_HEALTH_CHECK_S))
+        self.redis = connection.async_client(
+            redis_url(), REDIS_CONNECTIONS, timeout=REDIS_WAIT_S, retry=Retry(NoBackoff(), REDIS_RETRIES),
+            health_check_interval=REDIS_HEALTH_CHECK_S)
         self.admission = Admission(self.redis, max_queue)
         # Not daemon threads: a cancel asked for at shutdown (a sync request cut short) still runs.
         self.cancels = ThreadPoolExecutor(CANCEL_THREADS, thread_name_prefix="cancel")

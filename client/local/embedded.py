@@ -44,6 +44,11 @@ def _binary() -> str:
 
 SUPERVISOR_LOG = "supervisor.log"
 SUPERVISOR_PID = "supervisor.pid"
+SENTINEL_CONF = "sentinel.conf"  # a config file of this name runs the binary in Sentinel mode
+
+
+def _command(conf: Path) -> list[str]:
+    return [_binary(), str(conf), *(["--sentinel"] if conf.name == SENTINEL_CONF else [])]
 
 
 class EmbeddedServer:
@@ -51,11 +56,13 @@ class EmbeddedServer:
     supervisor, which restarts it)."""
 
     def __init__(self, data_dir: Path, port: int | None = None, password: str | None = None,
-                 also_bind: tuple[str, ...] = ()):
+                 also_bind: tuple[str, ...] = (), extra: tuple[str, ...] = (), sentinel: bool = False):
         self.data_dir = Path(data_dir).resolve()
         self.also_bind = also_bind  # addresses besides 127.0.0.1 (a test's private network)
         self.port = port or _free_port()
         self.password = password or secrets.token_urlsafe(24)
+        self.extra = extra  # more config lines (replication, `sentinel monitor`: ha.py)
+        self.sentinel = sentinel  # the binary in Sentinel mode: it watches servers and holds no data
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -64,26 +71,31 @@ class EmbeddedServer:
 
     @property
     def conf_path(self) -> Path:
-        return self.data_dir / "valkey.conf"
+        return self.data_dir / (SENTINEL_CONF if self.sentinel else "valkey.conf")
 
-    def start(self, detach: bool = False, timeout: float = 10.0) -> str:
-        """Start the server and wait until it answers; returns its URL. `detach`: it outlives this process,
-        under a supervisor of its own session that restarts it when it dies (`supervise`); `proc` is then
-        the supervisor's. Not detached, `proc` is the server itself, which dies with this process."""
-        import redis
-
+    def configure(self) -> None:
+        """Write the config file (Sentinel and a replica's server rewrite it as their roles change)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.conf_path
+        common = ["bind " + " ".join(("127.0.0.1", *self.also_bind)), f"port {self.port}",
+                  f"requirepass {self.password}", "protected-mode yes", f'dir "{self.data_dir}"',
+                  'logfile "valkey.log"', "daemonize no"]
         # Append-only with `appendfsync always`: a killed server keeps every write it acknowledged, queued
         # requests included (docs/reliability.md). 256 databases: the tests give each test that starts
         # replicas a database of its own (an empty one costs the server next to nothing).
-        conf.write_text("\n".join([
-            "bind " + " ".join(("127.0.0.1", *self.also_bind)),
-            f"port {self.port}", f"requirepass {self.password}", "protected-mode yes", "databases 256",
-            f'dir "{self.data_dir}"', "appendonly yes", "appendfsync always", 'save ""',
-            'logfile "valkey.log"', "daemonize no", "",
-        ]))
-        conf.chmod(0o600)  # it holds the password
+        data = ["databases 256", "appendonly yes", "appendfsync always", 'save ""']
+        self.conf_path.write_text("\n".join([*common, *([] if self.sentinel else data), *self.extra, ""]))
+        self.conf_path.chmod(0o600)  # it holds the password
+
+    def start(self, detach: bool = False, timeout: float = 10.0, configure: bool = True) -> str:
+        """Start the server and wait until it answers; returns its URL. `detach`: it outlives this process,
+        under a supervisor of its own session that restarts it when it dies (`supervise`); `proc` is then
+        the supervisor's. Not detached, `proc` is the server itself, which dies with this process.
+        `configure=False`: from the config file as it is (a server started again, in the role it was left in)."""
+        import redis
+
+        if configure:
+            self.configure()
+        conf = self.conf_path
         if detach:
             with open(self.data_dir / SUPERVISOR_LOG, "ab") as log:
                 self.proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).resolve()), str(conf)],
@@ -91,7 +103,7 @@ class EmbeddedServer:
                                              start_new_session=True)
         else:
             with open(self.data_dir / "valkey.out", "ab") as log:
-                self.proc = subprocess.Popen([_binary(), str(conf)], cwd=self.data_dir, stdout=log, stderr=log,
+                self.proc = subprocess.Popen(_command(conf), cwd=self.data_dir, stdout=log, stderr=log,
                                              stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
@@ -149,14 +161,13 @@ def is_supervisor(pid: int, conf_path: Path) -> bool:
 
 
 def supervise(conf_path: str | Path, max_backoff: float = 5.0, stop_timeout: float = 8.0) -> None:
-    """Run the Valkey server of `conf_path` (port, password, folder and append-only file all in it), restarting
-    it whenever it exits: after 1 s, doubling to `max_backoff` while it dies within 10 s of its start. Each exit
-    is logged to supervisor.log beside the config file. SIGTERM or SIGINT: SIGTERM the server, SIGKILL it after
-    `stop_timeout` s, and return. The server dies with the supervisor (PR_SET_PDEATHSIG), so a SIGKILLed
+    """Run the Valkey server (or Sentinel) of `conf_path` (port, password, folder and append-only file all in
+    it), restarting it whenever it exits: after 1 s, doubling to `max_backoff` while it dies within 10 s of its
+    start. Each exit is logged to supervisor.log beside the config file. SIGTERM or SIGINT: SIGTERM the server,
+    SIGKILL it after `stop_timeout` s, and return. The server dies with the supervisor (PR_SET_PDEATHSIG), so a SIGKILLed
     supervisor leaves none behind."""
     conf = Path(conf_path).resolve()
     folder = conf.parent
-    binary = _binary()
     child: subprocess.Popen | None = None
     stopping = False
 
@@ -190,7 +201,7 @@ def supervise(conf_path: str | Path, max_backoff: float = 5.0, stop_timeout: flo
         while not stopping:
             started = time.monotonic()
             with open(folder / "valkey.out", "ab") as out:
-                child = subprocess.Popen([binary, str(conf)], cwd=folder, stdout=out, stderr=out,
+                child = subprocess.Popen(_command(conf), cwd=folder, stdout=out, stderr=out,
                                          stdin=subprocess.DEVNULL, preexec_fn=preexec)
             log(f"started valkey (pid {child.pid}) from {conf}")
             if stopping:  # a SIGTERM while it was being started

@@ -18,11 +18,10 @@ import json
 import time
 from dataclasses import dataclass
 
-import redis
 from celery.result import AsyncResult
 from celery.utils.nodenames import host_format
 
-from replicadp_tasks import app
+from replicadp_tasks import app, connection
 from replicadp_tasks.keys import SEEN_KEY
 from replicadp_tasks.settings import SETTINGS
 
@@ -51,7 +50,7 @@ def check(name: str, stall_s: float = STALL_S, timeout: float = REPLY_TIMEOUT_S)
     queues, active = inspect.active_queues() or {}, inspect.active() or {}
     if name not in queues or name not in active:
         return Verdict(False, f"{name}: answered a ping but not an inspect within {timeout:.0f} s")
-    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=timeout, socket_timeout=timeout)
+    client = connection.client(redis_url(), socket_connect_timeout=timeout, socket_timeout=timeout)
     now = time.time()
     if active[name]:
         return _progress(client, name, active[name][0]["id"], stall_s, now)

@@ -18,7 +18,7 @@ from kombu.exceptions import OperationalError
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from replicadp_tasks import app
+from replicadp_tasks import app, connection
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.keys import DEAD_KEY, STATS_KEY
 
@@ -47,7 +47,7 @@ class Exporter:
                                  buckets=LATENCY_BUCKETS, registry=registry)
         self.queue_wait = Histogram("replicadp_queue_wait_seconds", "Sent to started on a replica, seconds",
                                     buckets=WAIT_BUCKETS, registry=registry)
-        self.redis = redis.Redis.from_url(redis_url(), socket_connect_timeout=5, socket_timeout=5)
+        self.redis = connection.client(redis_url(), socket_connect_timeout=5, socket_timeout=5)
         registry.register(self)
 
     def on_event(self, event: dict) -> None:

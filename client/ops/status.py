@@ -13,7 +13,7 @@ from celery.result import AsyncResult
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from replicadp_tasks import app
+from replicadp_tasks import app, connection
 from replicadp_tasks.heartbeat import read
 from replicadp_tasks.keys import COMPLETED_KEY, REPLICA_KEY
 from replicadp_tasks.scheduling import Priority, next_request
@@ -96,7 +96,7 @@ def waited_s(headers: dict | None, now: float) -> float | None:
 def snapshot() -> dict:
     """Every live replica (serving, or loading its model), what it runs and at which step, the queue and the
     throughput: from Redis alone (the replicas' heartbeats, heartbeat.py), a few milliseconds."""
-    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=3)
+    client = connection.client(redis_url(), socket_connect_timeout=3)
     beats = read(client, SETTINGS.replica_stale_s)
     names = sorted(beats.serving + beats.standby)
     info = replica_info(client, names)

@@ -1,0 +1,224 @@
+"""Redis clients for every part of replicadp, from the one Redis URL (settings.redis_url).
+
+Two kinds of URL:
+
+- `redis://`, `rediss://`, `unix://`: one server, or a managed endpoint (ElastiCache, Memorystore, Azure Cache)
+  that fails over behind one name. Clients reconnect to it.
+- Sentinel, in Celery's form with the master's name as a query parameter:
+  `sentinel://:PASSWORD@host1:26379/0;sentinel://:PASSWORD@host2:26379/0?master_name=NAME`. PASSWORD is the
+  master's (as in Celery); a Sentinel that asks for a password of its own gets `sentinel_password=...` in the
+  query. Clients ask the Sentinels for the master at every new connection, and drop a connection to a server
+  that is no longer the master (READONLY, NOREPLICAS), so a failover reads as a short outage.
+
+Replication is asynchronous: a write the old master acknowledged can be missing on the new one. Where a
+guarantee rests on a write (docs/reliability.md), the writer waits for `replicas` replicas to have it (WAIT),
+at most `ack_timeout_ms`: `replicated()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis import asyncio as aioredis
+from redis.asyncio import sentinel as async_sentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+log = logging.getLogger("replicadp")
+
+SENTINEL_SCHEME = "sentinel"
+SENTINEL_PORT = 26379
+# Our query parameters on a Sentinel URL; Celery is given the URL without them (celery_url).
+MASTER_PARAM, SENTINEL_PASSWORD_PARAM = "master_name", "sentinel_password"
+SENTINEL_TIMEOUT_S = 2.0  # a Sentinel that does not answer in this is skipped for the next one
+# Written before a WAIT by a caller whose write went through another connection (WAIT counts the writes of its
+# own connection; replication is in order, so a later write acknowledged means every earlier one is too).
+MARK_KEY = "replicadp:replicated"
+# An error from a server that is no longer the master (it refuses writes without its replicas): a stale
+# connection across a failover, to drop like READONLY.
+NOREPLICAS = "NOREPLICAS"
+
+
+class RedisURLError(ValueError):
+    """Raised when the Redis URL cannot be used (a Sentinel URL without its master's name, a bad port); the
+    message names REDIS_URL and shows the URL without its passwords."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a Redis URL names. `sentinels` is empty for a single server (`url` then is the URL as given)."""
+
+    url: str
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master: str | None = None
+    password: str | None = None
+    username: str | None = None
+    db: int = 0
+    sentinel_password: str | None = None
+
+    @property
+    def is_sentinel(self) -> bool:
+        return bool(self.sentinels)
+
+
+def redacted(url: str) -> str:
+    """A Redis URL without its passwords, for messages and logs (each part of a Sentinel URL, and its query)."""
+    parts = []
+    for chunk in url.split(";"):
+        split = urlsplit(chunk)
+        netloc, query = split.netloc, split.query
+        if split.password:
+            host = (split.hostname or "") + (f":{split.port}" if split.port else "")
+            netloc = f"{split.username or ''}:***@{host}"
+        if SENTINEL_PASSWORD_PARAM in query:
+            query = urlencode([(k, "***" if k == SENTINEL_PASSWORD_PARAM else v) for k, v in parse_qsl(query)], safe="*")
+        parts.append(urlunsplit(split._replace(netloc=netloc, query=query)))
+    return ";".join(parts)
+
+
+def parse(url: str) -> Target:
+    """The Target of `url`; raises RedisURLError for a Sentinel URL that names no master or has a bad port."""
+    chunks = [c for c in url.split(";") if c.strip()]
+    if not chunks or urlsplit(chunks[0]).scheme != SENTINEL_SCHEME:
+        return Target(url)
+    sentinels, query = [], {}
+    first = urlsplit(chunks[0])
+    for chunk in chunks:
+        split = urlsplit(chunk.strip())
+        if split.scheme != SENTINEL_SCHEME:
+            raise RedisURLError(f"REDIS_URL={redacted(url)!r}: every part of a Sentinel URL starts with "
+                                f"sentinel://, not {chunk.split('://')[0]!r}://")
+        try:
+            sentinels.append((split.hostname or "127.0.0.1", split.port or SENTINEL_PORT))
+        except ValueError as exc:
+            raise RedisURLError(f"REDIS_URL={redacted(url)!r}: {exc}") from None
+        query |= dict(parse_qsl(split.query))
+    if not query.get(MASTER_PARAM):
+        raise RedisURLError(f"REDIS_URL={redacted(url)!r}: a Sentinel URL names its master: add "
+                            f"?{MASTER_PARAM}=NAME (the name in the Sentinels' `sentinel monitor NAME ...`)")
+    unknown = set(query) - {MASTER_PARAM, SENTINEL_PASSWORD_PARAM}
+    if unknown:
+        raise RedisURLError(f"REDIS_URL={redacted(url)!r}: unknown query parameter(s) {sorted(unknown)}; a "
+                            f"Sentinel URL takes {MASTER_PARAM} and {SENTINEL_PASSWORD_PARAM}")
+    path = first.path.strip("/")
+    if path and not path.isdigit():
+        raise RedisURLError(f"REDIS_URL={redacted(url)!r}: the database is a number, not {path!r}")
+    return Target(url, tuple(sentinels), query[MASTER_PARAM], first.password or None, first.username or None,
+                  int(path or 0), query.get(SENTINEL_PASSWORD_PARAM) or None)
+
+
+def celery_url(url: str) -> str:
+    """The URL Celery and kombu are given: a Sentinel URL without our query parameters (they go in
+    celery_options), any other as it is."""
+    if not parse(url).is_sentinel:
+        return url
+    return ";".join(urlunsplit(urlsplit(c.strip())._replace(query="")) for c in url.split(";") if c.strip())
+
+
+def celery_backend_url(url: str) -> str:
+    """Celery's result_backend for `url`: for Sentinel, backend.SentinelBackend (Celery's `module:Class+url`)."""
+    if not parse(url).is_sentinel:
+        return url
+    return f"replicadp_tasks.backend:SentinelBackend+{celery_url(url)}"
+
+
+CELERY_OPTIONS = ("master_name", "sentinel_kwargs")  # the transport options celery_options gives
+
+
+def celery_options(url: str) -> dict:
+    """Transport options for the broker and the result backend: for Sentinel, the master's name and the
+    Sentinels' password and timeouts."""
+    target = parse(url)
+    if not target.is_sentinel:
+        return {}
+    return dict(zip(CELERY_OPTIONS, (target.master, _sentinel_kwargs(target))))
+
+
+def _sentinel_kwargs(target: Target) -> dict:
+    kwargs = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    if target.sentinel_password:
+        kwargs["password"] = target.sentinel_password
+    return kwargs
+
+
+class MasterConnection(SentinelManagedConnection):
+    """A connection to the master Sentinel names that also drops itself on NOREPLICAS: a server cut off from
+    its replicas (a stopped and resumed old master, before Sentinel demotes it) refuses writes with it, and the
+    next connection goes to the master Sentinel names now."""
+
+    def connect_check_health(self, *args, **kwargs):
+        # redis-py 8 reconnects a dropped connection here (send_packed_command), not through connect(), so a
+        # retried command went back to the old master's address for as long as the retries lasted.
+        if not self._sock and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        return super().connect_check_health(*args, **kwargs)
+
+    def read_response(self, *args, **kwargs):
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if self.connection_pool.is_master and str(exc).startswith(NOREPLICAS):
+                self.disconnect()
+                raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc}): "
+                                            "not the master any more, or cut off from its replicas") from exc
+            raise
+
+
+class AsyncMasterConnection(async_sentinel.SentinelManagedConnection):
+    """MasterConnection for redis.asyncio (the gateway)."""
+
+    async def connect_check_health(self, *args, **kwargs):
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        return await super().connect_check_health(*args, **kwargs)
+
+    async def read_response(self, *args, **kwargs):
+        try:
+            return await super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if self.connection_pool.is_master and str(exc).startswith(NOREPLICAS):
+                await self.disconnect()
+                raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc})") from exc
+            raise
+
+
+def client(url: str, **kwargs) -> redis.Redis:
+    """A redis-py client of the Redis `url` names; `kwargs` as for redis.Redis (timeouts, retry, ...)."""
+    target = parse(url)
+    if not target.is_sentinel:
+        return redis.Redis.from_url(url, **kwargs)
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
+    return sentinel.master_for(target.master, password=target.password, username=target.username, db=target.db,
+                               connection_class=MasterConnection, **kwargs)
+
+
+def async_client(url: str, max_connections: int, **kwargs) -> aioredis.Redis:
+    """A redis.asyncio client of `url` with at most `max_connections` connections; a single server's pool makes a
+    caller wait for a free connection (`timeout` s), a Sentinel master's fails at once when all are busy."""
+    target = parse(url)
+    if not target.is_sentinel:
+        return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, **kwargs))
+    kwargs.pop("timeout", None)
+    sentinel = async_sentinel.Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
+    return sentinel.master_for(target.master, password=target.password, username=target.username, db=target.db,
+                               connection_class=AsyncMasterConnection, max_connections=max_connections, **kwargs)
+
+
+def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> bool:
+    """Wait until `replicas` replicas hold every write the master has acknowledged so far (a mark written here,
+    then WAIT on the same connection); False, logged, when fewer had it within `timeout_ms`: the write is then as
+    durable as the master alone. `what`: the write waited for, for the log."""
+    if replicas <= 0:
+        return True
+    pipe = r.pipeline(transaction=False)
+    pipe.incr(MARK_KEY)
+    pipe.execute_command("WAIT", replicas, timeout_ms)
+    acked = pipe.execute()[-1]
+    if acked < replicas:
+        log.warning("%s: %d of %d Redis replica(s) acknowledged it within %d ms; it is on the master only",
+                    what, acked, replicas, timeout_ms)
+        return False
+    return True

@@ -1,0 +1,135 @@
+"""A Redis that fails over (client/local/ha.py: a primary, two replicas, three Sentinels) under a batch of 40
+requests on two synthetic-backend replicas, half sent through a gateway and half by a Celery producer: the
+primary SIGKILLed, the primary SIGSTOPped until Sentinel promotes another and then resumed, and a Sentinel
+SIGKILLed, each mid-batch (requests queued, running and finishing). Nothing is lost, nothing is computed twice,
+and the replicas and the gateway serve on through the new primary."""
+
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from client.local.ha import HAStack
+from conftest import run_client_on, start_replicas
+from helpers import SYNTHETIC, lasting, wait_for
+from replicadp_tasks import connection
+from replicadp_tasks.keys import ATTEMPTS_KEY, STATS_KEY
+from test_http import form_of, gateway, multipart
+
+BATCH = 40  # half through the gateway, half through Celery
+REQUEST_S = 0.4  # each, on the synthetic backend: the batch lasts ~8 s on two replicas
+
+
+@pytest.fixture
+def ha(tmp_path):
+    stack = HAStack(tmp_path / "ha")
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+def stored(out) -> int:
+    """Results in the replicas' output folder (the dir store writes <id>.json last)."""
+    return len(list(out.glob("*.json"))) if out.exists() else 0
+
+
+def through_a_fault(ha: HAStack, tmp_path, name: str, fault) -> SimpleNamespace:
+    """Send the batch, run `fault(ha)` once some requests are stored and others still wait, and wait for the
+    batch to end. What it counts: requests not completed, stored results computed by a second delivery, starts
+    per request, and seconds from the fault to the first result stored after it."""
+    out = tmp_path / "out"
+    group = start_replicas(2, ha.url, name, model=SYNTHETIC, OUTPUT_DIR=str(out))
+    celery_batch = [lasting(REQUEST_S, prompt=f"{name} celery {i}", seed=i) for i in range(BATCH // 2)]
+    http_batch = [form_of(lasting(REQUEST_S, prompt=f"{name} http {i}", seed=100 + i)) for i in range(BATCH // 2)]
+    outcomes = []
+    try:
+        with gateway(ha.url, name) as gw:
+            jobs = [gw.client.post("/v1/videos", files=multipart(form)) for form in http_batch]
+            assert [j.status_code for j in jobs] == [200] * len(jobs), [j.text for j in jobs]
+            client_run = threading.Thread(
+                target=lambda: outcomes.extend(run_client_on(ha.url, celery_batch, concurrency=0, timeout=240)))
+            client_run.start()
+            wait_for(lambda: stored(out) >= 4, "a few requests to be stored", interval=0.02)
+            before, struck = stored(out), time.monotonic()
+            fault(ha)
+            wait_for(lambda: stored(out) > before, "a result stored after the fault", interval=0.02, timeout=120)
+            resumed_s = time.monotonic() - struck
+
+            def finished(job_id):
+                answer = gw.client.get(f"/v1/videos/{job_id}")  # a 503 while Redis fails over: asked again
+                return answer.status_code == 200 and answer.json()["status"] in ("completed", "failed")
+
+            ids = [j.json()["id"] for j in jobs]
+            wait_for(lambda: all(finished(i) for i in ids), "the gateway's jobs to end", timeout=240)
+            http = [gw.client.get(f"/v1/videos/{i}").json() for i in ids]
+            client_run.join(timeout=300)
+            assert not client_run.is_alive(), "the Celery producer did not finish"
+            # The gateway serves on through the new primary: one more request, start to end.
+            after = gw.client.post("/v1/videos/sync", files=multipart(form_of(lasting(REQUEST_S, seed=999))))
+        check = connection.client(ha.url, socket_timeout=5)
+        starts = [int(check.get(ATTEMPTS_KEY + o.task_id) or 0) for o in outcomes]
+        twice = int(check.hget(STATS_KEY, "duplicate_executions") or 0)
+    finally:
+        group.stop()
+    failed = [o.error for o in outcomes if not o.ok] + [j.get("error") for j in http if j["status"] != "completed"]
+    print(f"\n{name}: failed {failed}; computed twice {twice}; starts {starts}; first result {resumed_s:.2f} s after "
+          f"the fault")
+    return SimpleNamespace(failed=failed, twice=twice, starts=starts, resumed_s=resumed_s, after=after,
+                           seeds=sorted(o.result["params"]["seed"] for o in outcomes if o.ok))
+
+
+def assert_nothing_lost(run):
+    assert run.failed == [], run.failed
+    assert run.seeds == list(range(BATCH // 2))
+    assert run.twice == 0
+    assert run.after.status_code == 200 and run.after.content[4:8] == b"ftyp"
+
+
+@pytest.mark.cluster
+def test_primary_killed_mid_batch_loses_nothing(ha, tmp_path):
+    """SIGKILL of the primary (it stays down): Sentinel promotes a replica, the replicas, the producer and the
+    gateway reconnect through it; every request of the batch completes once."""
+    old = ha.primary()
+    run = through_a_fault(ha, tmp_path, "failover-kill", lambda ha: os.kill(ha.server_pid(old), signal.SIGKILL))
+    assert ha.primary() is not old
+    assert_nothing_lost(run)
+
+
+@pytest.mark.cluster
+def test_primary_stopped_until_promotion_takes_no_writes_when_resumed(ha, tmp_path):
+    """SIGSTOP of the primary until Sentinel promotes another, then SIGCONT: the resumed old primary refuses
+    writes (it has no replica: NOREPLICAS) instead of acting as a second primary, and the batch completes once
+    through the new one."""
+    old = ha.primary()
+    pid = ha.server_pid(old)
+    refused = []
+
+    def stop_until_promoted(ha):
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: ha.master_address()[1] != old.port, "Sentinel to promote a replica", timeout=30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        try:
+            redis.Redis(port=old.port, password=ha.password, socket_timeout=5).set("replicadp:split-brain", 1)
+        except redis.ResponseError as exc:
+            refused.append(str(exc))
+
+    run = through_a_fault(ha, tmp_path, "failover-stop", stop_until_promoted)
+    assert refused and refused[0].startswith("NOREPLICAS"), refused
+    assert_nothing_lost(run)
+
+
+@pytest.mark.cluster
+def test_a_sentinel_killed_mid_batch_changes_nothing(ha, tmp_path):
+    """SIGKILL of the first Sentinel (the one every client asks first): clients ask the next one, the primary
+    stays, and the batch completes once."""
+    primary = ha.primary()
+    run = through_a_fault(ha, tmp_path, "failover-sentinel",
+                          lambda ha: os.kill(ha.server_pid(ha.sentinels[0]), signal.SIGKILL))
+    assert ha.primary() is primary
+    assert_nothing_lost(run)
