@@ -1,15 +1,19 @@
 """Chaos benchmark: a batch against real replicas while pool children, whole replicas, follower ranks (with
---parallel) and Redis are killed at random moments, replicas are stopped (SIGSTOP, then SIGCONT: a frozen or partitioned host) and malformed
-messages are pushed onto the queue. Prints requests submitted / completed / failed / lost / computed more than
-once, and the recovery time of each kind of fault (median and max); writes JSON.
+--parallel) and Redis are killed at random moments, replicas are stopped (SIGSTOP, then SIGCONT: a frozen or
+partitioned host) and malformed messages are pushed onto the queue; with --ha, a Redis that fails over instead
+of one server, whose primary is killed or stopped until Sentinel promotes another, and whose Sentinels are
+killed. Prints requests submitted / completed / failed / lost / computed more than once, and the recovery time
+of each kind of fault (median and max); writes JSON.
 
     .venv/bin/python bench/chaos.py --replicas 3 --requests 60 --out bench-results/chaos.json
     .venv/bin/python bench/chaos.py --replicas 2 --parallel ulysses:2 --faults follower,child,redis \
         --out bench-results/chaos-parallel.json                                       # replicas of 2 ranks
+    .venv/bin/python bench/chaos.py --ha --replicas 2 --requests 120 --out bench-results/chaos-ha.json
 
 Recovery time of a fault: from the kill or stop until the request it interrupted has completed (a child or
 replica kill, a stop), or until the next request completes (a Redis kill: the server is down for `--redis-down`
-seconds; a poison message).
+seconds; a poison message; a fault of the HA stack, from the moment it strikes: the primary or Sentinel killed
+comes back after `--redis-down` seconds, the stopped primary once another is promoted).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from client.api import run_requests, use_redis  # noqa: E402
 from client.cli import size_param  # noqa: E402
 from client.local.embedded import EmbeddedServer  # noqa: E402
+from client.local.ha import HAStack  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
 from replicadp_tasks import connection  # noqa: E402
 from replicadp_tasks.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
@@ -45,7 +50,10 @@ from replicadp_tasks.records import RequestState  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
 from replicadp_tasks.store import outage_tolerant  # noqa: E402
 
-FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower")
+FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower",
+          "primary-kill", "primary-stop", "sentinel-kill")
+HA_FAULTS = ("primary-kill", "primary-stop", "sentinel-kill")  # of the HA stack (--ha), which the others are not
+PROMOTION_WAIT_S = 30.0  # primary-stop: the primary stays stopped until Sentinel promotes another, at most this
 # Messages that each crashed a replica's main process, looped its consumer or were never answered, before
 # replicas checked what they pop (replicadp_tasks/message.py).
 POISON = (b"{not json", b"[1, 2, 3]",
@@ -105,7 +113,8 @@ def running(client: redis.Redis) -> list[tuple[str, dict]]:
 class Chaos:
     """Kills something every `interval` seconds (randomised) until stopped; records each fault."""
 
-    def __init__(self, server: EmbeddedServer, seed: int, interval: float, redis_down: float, stop_s: float, kinds):
+    def __init__(self, server: EmbeddedServer | HAStack, seed: int, interval: float, redis_down: float, stop_s: float,
+                 kinds):
         self.server, self.interval, self.redis_down, self.stop_s, self.kinds = server, interval, redis_down, stop_s, kinds
         self.rng = random.Random(seed)
         self.faults: list[dict] = []
@@ -135,7 +144,28 @@ class Chaos:
             time.sleep(self.redis_down)
             self.server = EmbeddedServer(self.server.data_dir, port=self.server.port, password=self.server.password)
             self.server.start()
-            self.faults.append({"kind": kind, "at": at, "task_id": None})
+            self.faults.append({"kind": kind, "at": at, "task_id": None, "down_s": self.redis_down})
+            return
+        if kind in ("primary-kill", "sentinel-kill"):  # down for --redis-down, then back in the role it is given
+            victim = self.server.primary() if kind == "primary-kill" else self.rng.choice(self.server.sentinels)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
+            self.faults.append({"kind": kind, "at": time.time(), "task_id": None, "down_s": 0.0})
+            time.sleep(self.redis_down)
+            victim.start(configure=False)
+            self.server.wait_settled(60)  # the next fault strikes a whole stack
+            return
+        if kind == "primary-stop":  # stopped until Sentinel promotes another, then resumed
+            primary = self.server.primary()
+            os.kill(primary.proc.pid, signal.SIGSTOP)
+            self.faults.append({"kind": kind, "at": time.time(), "task_id": None, "down_s": 0.0})
+            deadline = time.monotonic() + PROMOTION_WAIT_S
+            try:
+                while self.server.master_address()[1] == primary.port and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            finally:
+                os.kill(primary.proc.pid, signal.SIGCONT)
+            self.server.wait_settled(60)
             return
         if kind == "poison":
             self.client().lpush(SETTINGS.queue, self.rng.choice(POISON))
@@ -178,26 +208,33 @@ class Chaos:
 @click.option("--redis-down", default=2.0, show_default=True, help="Seconds Redis stays down when killed.")
 @click.option("--stop", "stop_s", default=15.0, show_default=True,
               help="Seconds a stopped replica stays stopped (more than the 6 s lease: its requests are requeued).")
-@click.option("--faults", "kinds", default=",".join(f for f in FAULTS if f != "follower"), show_default=True,
-              help=f"Kinds of fault to draw from: {', '.join(FAULTS)}.")
+@click.option("--faults", "kinds", help=f"Kinds of fault to draw from: {', '.join(FAULTS)}. Default: those of "
+              "replicas and Redis but follower (which needs --parallel); with --ha, " + ", ".join(HA_FAULTS) + ".")
 @click.option("--parallel", default="none", show_default=True,
               help="REPLICADP_PARALLEL of the replicas (ulysses:2: each replica two processes; the follower fault).")
+@click.option("--ha", is_flag=True, help="Redis that fails over (a primary, two replicas, three Sentinels: "
+              "client/local/ha.py) instead of one server; its faults: " + ", ".join(HA_FAULTS) + ".")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds after which a request counts as lost.")
 @click.option("--out", default="bench-results/chaos.json", show_default=True, type=click.Path(path_type=Path))
-def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, kinds, parallel, seed, timeout,
-         out):
+def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, kinds, parallel, ha, seed,
+         timeout, out):
     console = Console(width=None if sys.stdout.isatty() else 160)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the replicas, remove the run folder
     width, height = size
+    if kinds is None:
+        kinds = ",".join(HA_FAULTS if ha else (f for f in FAULTS if f not in ("follower", *HA_FAULTS)))
     kinds = tuple(k for k in kinds.split(",") if k)
     if not set(kinds) <= set(FAULTS):
         raise click.BadParameter(f"{kinds}: each must be one of {FAULTS}", param_hint="--faults")
     if "follower" in kinds and parallel == "none":
         raise click.BadParameter("the follower fault needs replicas of several ranks: --parallel ulysses:2",
                                  param_hint="--faults")
+    if ha and "redis" in kinds or not ha and set(kinds) & set(HA_FAULTS):
+        raise click.BadParameter(f"{', '.join(HA_FAULTS)} strike the HA stack (--ha), redis one server (no --ha)",
+                                 param_hint="--faults")
     run_dir = Path(tempfile.mkdtemp(prefix="replicadp-chaos-"))
-    server = EmbeddedServer(run_dir / "redis")
+    server = HAStack(run_dir / "redis-ha") if ha else EmbeddedServer(run_dir / "redis")
     chaos, outcomes, serving, twice = None, [], 0, 0
     try:
         url = server.start()
@@ -248,12 +285,12 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
         if f["task_id"] is not None:
             end = done_at.get(f["task_id"])
         else:
-            end = next((t for t in completions if t > f["at"] + redis_down), None)
+            end = next((t for t in completions if t > f["at"] + f["down_s"]), None)
         f["recovery_s"] = round(end - f["at"], 2) if end else None
     failed = [o for o in outcomes if not o.ok and not o.error.startswith("timed out")]
     lost = count - sum(o.ok for o in outcomes) - len(failed)
     report = {
-        "replicas": n, "parallel": parallel, "requests": count, "size": f"{width}x{height}", "num_frames": num_frames, "steps": steps,
+        "replicas": n, "parallel": parallel, "ha": ha, "requests": count, "size": f"{width}x{height}", "num_frames": num_frames, "steps": steps,
         "interval_s": interval, "redis_down_s": redis_down, "seed": seed, "elapsed_s": round(elapsed, 1),
         "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
         "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),
@@ -262,7 +299,8 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
         "errors": sorted({o.error for o in failed}),
         "recovery": {}, "faults": chaos.faults,
     }
-    table = Table(title=f"chaos: {n} replicas, {count} requests, {len(chaos.faults)} faults in {elapsed:.0f} s")
+    table = Table(title=f"chaos: {n} replicas, {count} requests, {len(chaos.faults)} faults in {elapsed:.0f} s"
+                  + (" (Redis: primary, 2 replicas, 3 Sentinels)" if ha else ""))
     for col in ("fault", "count", "recovered", "median recovery", "max recovery"):
         table.add_column(col, justify="right")
     for kind in kinds:

@@ -458,8 +458,10 @@ def status(watch, json_out):
 @click.option("--model", default="tiny", envvar="REPLICADP_MODEL", show_default=True, show_envvar=True,
               help="Model spec: tiny, a local folder or a hub id.")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the replicas to load.")
+@click.option("--ha", is_flag=True, help="Start a Redis that fails over instead of one server: a primary, two "
+              "replicas and three Sentinels (docs/operations.md).")
 @redis_url_option(help="Redis to start the replicas on (default: an embedded server, started here).")
-def up(n, devices, gpus_per_replica, threads, model, timeout):
+def up(n, devices, gpus_per_replica, threads, model, timeout, ha):
     """Start the embedded server (unless REDIS_URL is set) and N replicas in the background."""
     from replicadp_tasks.settings import SETTINGS
 
@@ -476,7 +478,7 @@ def up(n, devices, gpus_per_replica, threads, model, timeout):
     console.print(f"up: {n} replica(s) of {model!r} on {'the CPU' if chosen == 'cpu' else 'GPU(s) ' + chosen}"
                   + (" (--devices auto)" if devices == "auto" else "") + layout)
     try:
-        state = do_up(n, model, chosen, threads, gpus_per_replica, timeout)
+        state = do_up(n, model, chosen, threads, gpus_per_replica, timeout, ha=ha)
     except (RuntimeError, TimeoutError) as exc:
         raise click.ClickException(str(exc))
     console.print(f"up: {len(state['replicas'])} replica(s) serving {model!r} on {redacted(state['redis_url'])}; "

@@ -34,7 +34,8 @@ SENTINEL_PORT = 26379
 MASTER_PARAM, SENTINEL_PASSWORD_PARAM = "master_name", "sentinel_password"
 SENTINEL_TIMEOUT_S = 2.0  # a Sentinel that does not answer in this is skipped for the next one
 # Written before a WAIT by a caller whose write went through another connection (WAIT counts the writes of its
-# own connection; replication is in order, so a later write acknowledged means every earlier one is too).
+# own connection; replication is in order, so a later write acknowledged means every earlier one is too), and by
+# every new connection to a Sentinel's master, to find out that it takes writes.
 MARK_KEY = "replicadp:replicated"
 # An error from a server that is no longer the master (it refuses writes without its replicas): a stale
 # connection across a failover, to drop like READONLY.
@@ -69,9 +70,9 @@ def redacted(url: str) -> str:
     for chunk in url.split(";"):
         split = urlsplit(chunk)
         netloc, query = split.netloc, split.query
-        if split.password:
-            host = (split.hostname or "") + (f":{split.port}" if split.port else "")
-            netloc = f"{split.username or ''}:***@{host}"
+        userinfo, at, host = netloc.rpartition("@")
+        if at and ":" in userinfo:  # by text: a URL with a bad port is shown too (in the error that names it)
+            netloc = f"{userinfo.partition(':')[0]}:***@{host}"
         if SENTINEL_PASSWORD_PARAM in query:
             query = urlencode([(k, "***" if k == SENTINEL_PASSWORD_PARAM else v) for k, v in parse_qsl(query)], safe="*")
         parts.append(urlunsplit(split._replace(netloc=netloc, query=query)))
@@ -146,7 +147,17 @@ def _sentinel_kwargs(target: Target) -> dict:
 class MasterConnection(SentinelManagedConnection):
     """A connection to the master Sentinel names that also drops itself on NOREPLICAS: a server cut off from
     its replicas (a stopped and resumed old master, before Sentinel demotes it) refuses writes with it, and the
-    next connection goes to the master Sentinel names now."""
+    next connection goes to the master Sentinel names now. A new connection writes once before it is used: to a
+    server that refuses writes (not the master yet, or just promoted and not yet followed by a replica), it
+    fails as connecting fails, and the caller's connect retries (kombu's publish policy, redis-py's backoff)
+    wait for the master to take writes; a command failing on a connection that was made is retried once only
+    by kombu."""
+
+    def on_connect_check_health(self, *args, **kwargs):
+        super().on_connect_check_health(*args, **kwargs)
+        if self.connection_pool.is_master:
+            self.send_command("INCR", MARK_KEY)
+            self.read_response()
 
     def connect_check_health(self, *args, **kwargs):
         # redis-py 8 reconnects a dropped connection here (send_packed_command), not through connect(), so a
@@ -157,17 +168,36 @@ class MasterConnection(SentinelManagedConnection):
 
     def read_response(self, *args, **kwargs):
         try:
-            return super().read_response(*args, **kwargs)
+            response = super().read_response(*args, **kwargs)
         except redis.ResponseError as exc:
-            if self.connection_pool.is_master and str(exc).startswith(NOREPLICAS):
-                self.disconnect()
-                raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc}): "
-                                            "not the master any more, or cut off from its replicas") from exc
+            if self.connection_pool.is_master and _refused(exc):
+                self._drop(exc)
             raise
+        if self.connection_pool.is_master and isinstance(response, list):  # EXEC's replies come as values
+            refused = next((r for r in response if _refused(r)), None)
+            if refused is not None:
+                self._drop(refused)
+        return response
+
+    def _drop(self, exc: Exception):
+        self.disconnect()
+        raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc}): not the master any more, or "
+                                    "without a replica") from exc
+
+
+def _refused(reply) -> bool:
+    """Whether a reply is the refusal of a server without a replica (min-replicas-to-write)."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith(NOREPLICAS)
 
 
 class AsyncMasterConnection(async_sentinel.SentinelManagedConnection):
     """MasterConnection for redis.asyncio (the gateway)."""
+
+    async def on_connect_check_health(self, *args, **kwargs):
+        await super().on_connect_check_health(*args, **kwargs)
+        if self.connection_pool.is_master:
+            await self.send_command("INCR", MARK_KEY)
+            await self.read_response()
 
     async def connect_check_health(self, *args, **kwargs):
         if not self.is_connected and self.connection_pool.is_master:
@@ -176,12 +206,20 @@ class AsyncMasterConnection(async_sentinel.SentinelManagedConnection):
 
     async def read_response(self, *args, **kwargs):
         try:
-            return await super().read_response(*args, **kwargs)
+            response = await super().read_response(*args, **kwargs)
         except redis.ResponseError as exc:
-            if self.connection_pool.is_master and str(exc).startswith(NOREPLICAS):
-                await self.disconnect()
-                raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc})") from exc
+            if self.connection_pool.is_master and _refused(exc):
+                await self._drop(exc)
             raise
+        if self.connection_pool.is_master and isinstance(response, list):
+            refused = next((r for r in response if _refused(r)), None)
+            if refused is not None:
+                await self._drop(refused)
+        return response
+
+    async def _drop(self, exc: Exception):
+        await self.disconnect()
+        raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc})") from exc
 
 
 def client(url: str, **kwargs) -> redis.Redis:

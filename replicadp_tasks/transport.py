@@ -15,6 +15,7 @@ import json
 import logging
 import time
 
+from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 from kombu.utils.json import dumps
 
@@ -131,6 +132,13 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
 
 class SentinelTransport(kombu_redis.SentinelTransport):
     Channel = SentinelChannel
+
+
+# kombu takes the transport from a URL's scheme again when it moves on to the next URL of a list (`a;b`, which a
+# Sentinel URL is: seen, the first failover switched a producer to kombu's own Sentinel transport), so in
+# replicadp's processes the schemes name these transports too, not only Celery's broker_transport.
+TRANSPORT_ALIASES.update(redis=f"{__name__}:Transport", rediss=f"{__name__}:Transport",
+                         sentinel=f"{__name__}:SentinelTransport")
 
 
 def transport_for(url: str) -> str | None:

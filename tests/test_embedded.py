@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from helpers import SYNTHETIC, lasting, wait_for
+from replicadp_tasks import connection
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 
@@ -108,7 +109,7 @@ def test_up_restarts_its_killed_server_with_its_data(clean_env):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         state = json.loads((Path(env["REPLICADP_STATE_DIR"]) / "state.json").read_text())
-        supervisor = state["server_pid"]
+        supervisor = state["servers"][0]["pid"]
         servers = children(supervisor)
         assert len(servers) == 1
         password = urlsplit(state["redis_url"]).password
@@ -151,6 +152,40 @@ def test_up_restarts_its_killed_server_with_its_data(clean_env):
     assert not (Path(env["REPLICADP_STATE_DIR"]) / "state.json").exists()
 
 
+def test_up_ha_serves_through_a_killed_primary_and_down_stops_all_six(clean_env):
+    """`replicadp up --ha` starts a primary, two replicas and three Sentinels (each under a supervisor, the
+    password on no command line) and writes a Sentinel URL; `status`-style clients and a replica use it. SIGKILL
+    of the primary's server process: a request sent after it is served (through the restarted server or a
+    promoted replica, whichever comes first). `down` leaves no supervisor, server or Sentinel behind."""
+    env, tmp = clean_env
+    up = subprocess.run([REPLICADP, "up", "--ha", "--replicas", "1", "--devices", "cpu", "--threads", "1",
+                         "--model", SYNTHETIC], env=env, capture_output=True, text=True, timeout=300)
+    supervisors = []
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        state = json.loads((Path(env["REPLICADP_STATE_DIR"]) / "state.json").read_text())
+        assert state["redis_url"].startswith("sentinel://") and "master_name=replicadp" in state["redis_url"]
+        supervisors = [s["pid"] for s in state["servers"]]
+        assert [Path(s["conf"]).name for s in state["servers"]] == ["sentinel.conf"] * 3 + ["valkey.conf"] * 3
+        password = connection.parse(state["redis_url"]).password
+        for pid in supervisors + [c for p in supervisors for c in children(p)]:
+            assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        primary = connection.client(state["redis_url"], socket_timeout=5)
+        os.kill(int(primary.info("server")["process_id"]), signal.SIGKILL)
+
+        code = ("import json, sys; from replicadp_tasks import generate; "
+                "print(json.dumps(generate.delay(**json.loads(sys.argv[1])).get(timeout=90)))")
+        gen = subprocess.run([sys.executable, "-c", code, json.dumps(lasting(0.25))], env=env,
+                             capture_output=True, text=True, timeout=150)
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout)["replica"] == state["replicas"][0]
+    finally:
+        down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0 and "stopped 1 replica" in down.stdout, down.stdout + down.stderr
+    assert not any(Path(f"/proc/{pid}").exists() for pid in supervisors)
+    assert started_with(tmp) == set()
+
+
 def test_down_cleans_up_after_a_vanished_supervisor(clean_env, tmp_path):
     """A state file whose server supervisor and launcher are gone (their PIDs free, or reused by a process that
     is neither) still lets `down` finish: it signals nothing that is not one of them, and removes the state."""
@@ -164,7 +199,7 @@ def test_down_cleans_up_after_a_vanished_supervisor(clean_env, tmp_path):
         (conf.parent / "supervisor.pid").write_text(f"{bystander.pid}\n")
         (state_dir / "state.json").write_text(json.dumps({
             "run_dir": str(tmp_path / "run"), "model": "tiny", "replicas": ["replica0@x"],
-            "redis_url": "redis://:x@127.0.0.1:1/0", "server_pid": bystander.pid, "server_conf": str(conf),
+            "redis_url": "redis://:x@127.0.0.1:1/0", "servers": [{"pid": bystander.pid, "conf": str(conf)}],
             "launcher_pid": bystander.pid}))
         down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=60)
         assert down.returncode == 0 and "stopped 1 replica" in down.stdout, down.stdout + down.stderr

@@ -30,6 +30,7 @@ from client.ops.metrics import Exporter
 from client.local.replicas import LAUNCHER, stop_group
 from conftest import SESSION_DIR, run_client_on, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
+from replicadp_tasks import connection
 from replicadp_tasks.keys import REPLICA_KEY
 from replicadp_tasks.records import RequestState
 from replicadp_tasks.settings import SETTINGS
@@ -128,11 +129,12 @@ def compose_dir(tmp_path):
     return tmp_path
 
 
-def compose_config(project: Path) -> subprocess.CompletedProcess:
+def compose_config(project: Path, *files: str) -> subprocess.CompletedProcess:
     exe = docker_compose()
     if exe is None:
         pytest.skip("docker-compose v1 is not installed: `make install-test` installs it into .venv/compose")
-    return subprocess.run([exe, "config"], cwd=project, capture_output=True, text=True, timeout=60)
+    return subprocess.run([exe, *(a for f in files for a in ("-f", f)), "config"], cwd=project, capture_output=True,
+                          text=True, timeout=60)
 
 
 def test_compose_config_validates_and_keeps_redis_on_loopback(compose_dir):
@@ -159,6 +161,34 @@ def test_compose_config_validates_and_keeps_redis_on_loopback(compose_dir):
     (compose_dir / ".env").unlink()
     run = compose_config(compose_dir)
     assert run.returncode != 0 and "REDIS_PASSWORD" in run.stderr
+
+
+def test_the_ha_overlay_puts_every_service_behind_three_sentinels(compose_dir):
+    """docker-compose.ha.yml over docker-compose.yml validates: two replicas follow `redis`, three Sentinels watch
+    them (config written once, into a volume each), every data server refuses writes without a replica
+    (min-replicas-to-write), and every replicadp service (both workers, flower, the gateway, the exporter) gets
+    one Sentinel URL that replicadp parses: three Sentinels, the master's name, a password for each side."""
+    shutil.copy(ROOT / "docker-compose.ha.yml", compose_dir)
+    run = compose_config(compose_dir, "docker-compose.yml", "docker-compose.ha.yml")
+    assert run.returncode == 0, run.stderr
+    services = yaml.safe_load(run.stdout)["services"]
+    check_services(services)
+    assert {"redis-replica-1", "redis-replica-2", "sentinel-1", "sentinel-2", "sentinel-3"} <= set(services)
+    for name in ("redis", "redis-replica-1", "redis-replica-2"):
+        assert "--min-replicas-to-write 1" in services[name]["command"], name
+    for name in ("redis-replica-1", "redis-replica-2"):
+        assert "--replicaof redis 6379" in services[name]["command"]
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        script = services[name]["command"][-1]
+        assert "sentinel monitor replicadp redis 6379 2" in script and script.startswith("[ -f /data/sentinel.conf ]")
+    apps = [n for n, s in services.items() if s.get("image") == "replicadp:latest"]
+    assert sorted(apps) == ["flower", "gateway", "metrics", "worker-gpu0", "worker-gpu1"]
+    urls = {services[n]["environment"]["REDIS_URL"] for n in apps}
+    assert len(urls) == 1
+    target = connection.parse(urls.pop())
+    assert target.sentinels == (("sentinel-1", 26379), ("sentinel-2", 26379), ("sentinel-3", 26379))
+    password = "change-me-to-a-long-random-hex-string"  # .env.example's
+    assert (target.master, target.password, target.sentinel_password) == ("replicadp", password, password)
 
 
 def test_adding_a_gpu_is_one_copied_block(compose_dir):

@@ -19,6 +19,7 @@ from replicadp_tasks.settings import STATE_DIR, STATE_FILE
 
 from ..api import live_replicas, use_redis
 from .embedded import SUPERVISOR_PID, EmbeddedServer, die_with_parent, is_supervisor, stop_pid
+from .ha import HAStack
 
 LAUNCHER = Path(__file__).resolve().parents[2] / "worker_launch.sh"
 
@@ -188,18 +189,23 @@ def plan(devices: str, replicas: int | None, gpus_per_replica: int, visible: lis
     return devices, replicas or max(1, len(ids) // gpus_per_replica)
 
 
-def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: int, timeout: float) -> dict:
+def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: int, timeout: float,
+       ha: bool = False) -> dict:
+    """Start the embedded server (`ha`: the HA stack of ha.py) unless REDIS_URL is set, and `n` replicas."""
     if STATE_FILE.exists():
         raise RuntimeError(f"already up (state in {STATE_FILE}); run `replicadp down` first")
     run_dir = STATE_DIR / "run"
     state = {"run_dir": str(run_dir), "model": model, "replicas": replica_names(n)}
     server = None
     redis_url = os.environ.get("REDIS_URL")
+    if redis_url and ha:
+        raise RuntimeError("--ha starts a Redis of its own: unset REDIS_URL (or drop --ha to use that Redis)")
     if not redis_url:
-        server = EmbeddedServer(run_dir / "redis")
+        server = HAStack(run_dir / "redis-ha") if ha else EmbeddedServer(run_dir / "redis")
         redis_url = server.start(detach=True)
-        # The server's supervisor (it restarts the server if it dies); the conf identifies it for `down`.
-        state["server_pid"], state["server_conf"] = server.proc.pid, str(server.conf_path)
+        # Each server's supervisor (it restarts the server if it dies); its conf identifies it for `down`.
+        state["servers"] = [{"pid": s.proc.pid, "conf": str(s.conf_path)}
+                            for s in (server.sentinels + server.nodes if ha else [server])]
     state["redis_url"] = redis_url
     replicas = Replicas(n, redis_url=redis_url, model=model, devices=devices, threads=threads,
                         gpus_per_replica=gpus_per_replica, log_path=run_dir / "replicas.log", detach=True)
@@ -238,21 +244,19 @@ def _is_launcher(pid: int) -> bool:
 
 
 def _stop_server(state: dict) -> None:
-    """Stop up's server supervisor (it stops the server): the one in the state and the one in the run folder's
-    pid file (started by hand), each only if it still is a supervisor of this server (not a reused PID)."""
-    conf = state.get("server_conf")
-    if not conf:  # a state from before the supervisor: server_pid is the server
-        if state.get("server_pid"):
-            stop_pid(state["server_pid"])
-        return
-    pids = {state.get("server_pid")}
-    try:
-        pids.add(int((Path(conf).parent / SUPERVISOR_PID).read_text()))
-    except (OSError, ValueError):
-        pass
-    for pid in pids - {None}:
-        if is_supervisor(pid, Path(conf)):
-            stop_pid(pid)
+    """Stop up's server supervisors (each stops its server or Sentinel): the one in the state and the one in its
+    run folder's pid file (started by hand), each only if it still is a supervisor of that server (not a reused
+    PID)."""
+    for server in state.get("servers", []):
+        conf = Path(server["conf"])
+        pids = {server.get("pid")}
+        try:
+            pids.add(int((conf.parent / SUPERVISOR_PID).read_text()))
+        except (OSError, ValueError):
+            pass
+        for pid in pids - {None}:
+            if is_supervisor(pid, conf):
+                stop_pid(pid)
 
 
 def _write_state(state: dict) -> None:
