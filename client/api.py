@@ -79,9 +79,9 @@ def _on(url: str) -> dict:
 
     options = connection.celery_options(url)
     broker = {k: v for k, v in celeryconfig.broker_transport_options.items() if k not in connection.CELERY_OPTIONS}
-    return {"replicadp_redis_url": url, "broker_url": connection.celery_url(url), "result_backend": connection.celery_backend_url(url),
-            "broker_transport": transport_for(url), "broker_transport_options": broker | options,
-            "result_backend_transport_options": options}
+    return {"replicadp_redis_url": url, "broker_url": connection.celery_url(url),
+            "result_backend": connection.celery_backend_url(url), "broker_transport": transport_for(url),
+            "broker_transport_options": broker | options, "result_backend_transport_options": options}
 
 
 def use_redis(url: str) -> None:
@@ -151,9 +151,10 @@ def error_message(info) -> str:
 def cancel_request(task_id: str) -> None:
     """Cancel a request: a queued one fails as RequestCancelled when a replica takes it, a running one at its
     next denoising step; the replica keeps its model either way. A request that has ended is left as it is."""
-    app.backend.client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s)
-    connection.replicated(app.backend.client, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
-                          f"cancel of {task_id}")
+    client = app.backend.client
+    connection.durable(client, lambda: client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s),
+                       SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms, SETTINGS.redis_outage_s,
+                       f"cancel of {task_id}")
 
 
 def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float = 1800.0,

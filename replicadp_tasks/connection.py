@@ -18,7 +18,9 @@ at most `ack_timeout_ms`: `replicated()`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -26,7 +28,10 @@ from redis import asyncio as aioredis
 from redis.asyncio import sentinel as async_sentinel
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from .errors import NotReplicated
+
 log = logging.getLogger("replicadp")
+T = TypeVar("T")
 
 SENTINEL_SCHEME = "sentinel"
 SENTINEL_PORT = 26379
@@ -74,7 +79,8 @@ def redacted(url: str) -> str:
         if at and ":" in userinfo:  # by text: a URL with a bad port is shown too (in the error that names it)
             netloc = f"{userinfo.partition(':')[0]}:***@{host}"
         if SENTINEL_PASSWORD_PARAM in query:
-            query = urlencode([(k, "***" if k == SENTINEL_PASSWORD_PARAM else v) for k, v in parse_qsl(query)], safe="*")
+            hidden = [(k, "***" if k == SENTINEL_PASSWORD_PARAM else v) for k, v in parse_qsl(query)]
+            query = urlencode(hidden, safe="*")
         parts.append(urlunsplit(split._replace(netloc=netloc, query=query)))
     return ";".join(parts)
 
@@ -247,8 +253,8 @@ def async_client(url: str, max_connections: int, **kwargs) -> aioredis.Redis:
 
 def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> bool:
     """Wait until `replicas` replicas hold every write the master has acknowledged so far (a mark written here,
-    then WAIT on the same connection); False, logged, when fewer had it within `timeout_ms`: the write is then as
-    durable as the master alone. `what`: the write waited for, for the log."""
+    then WAIT on the same connection); False, logged, when fewer had it within `timeout_ms`. `what`: the write
+    waited for, for the log."""
     if replicas <= 0:
         return True
     pipe = r.pipeline(transaction=False)
@@ -256,7 +262,24 @@ def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> boo
     pipe.execute_command("WAIT", replicas, timeout_ms)
     acked = pipe.execute()[-1]
     if acked < replicas:
-        log.warning("%s: %d of %d Redis replica(s) acknowledged it within %d ms; it is on the master only",
-                    what, acked, replicas, timeout_ms)
+        log.warning("%s: %d of %d Redis replica(s) acknowledged it within %d ms", what, acked, replicas, timeout_ms)
         return False
     return True
+
+
+def durable(r: redis.Redis, write: Callable[[], T], replicas: int, timeout_ms: int, give_up_s: float,
+            what: str) -> T:
+    """`write()` (which must be safe to repeat), then wait for `replicas` replicas to hold it; returns what the
+    last `write()` returned. Not acknowledged in `timeout_ms`, the write may have gone to a master that Sentinel
+    has since replaced (a stopped one that resumed, and still counts its replicas for up to a second): the
+    connections are dropped, so the next ones ask Sentinel, and the write is made again, until `give_up_s` have
+    passed: then NotReplicated."""
+    deadline = time.monotonic() + give_up_s
+    while True:
+        answer = write()
+        if replicated(r, replicas, timeout_ms, what):
+            return answer
+        if time.monotonic() > deadline:
+            raise NotReplicated(f"{what}: no Redis replica acknowledged it in {give_up_s:g} s of trying "
+                                f"(REPLICADP_REDIS_REPLICAS={replicas})")
+        r.connection_pool.disconnect()

@@ -1,5 +1,6 @@
 """The errors replicadp raises, and what each one fails: the request or the process."""
 
+import redis
 from celery.exceptions import Ignore
 
 NOTHING = object()  # no value given (None is a value a request can carry)
@@ -125,3 +126,13 @@ class GroupLost(ReplicaDPError):
     """Raised when a rank of a multi-process replica (REPLICADP_PARALLEL, parallel.py) died, hung past
     REPLICADP_PARALLEL_TIMEOUT or failed mid-request: the replica's attempt ends (its process exits and the request
     is requeued, as a killed replica's is) and the pool's next child rebuilds the group."""
+
+
+class NotReplicated(ReplicaDPError, redis.ConnectionError):
+    """Raised when a write that a guarantee rests on (a queued request, a fence, a result, a cancel) was written
+    again and again and no Redis replica acknowledged it (REPLICADP_REDIS_REPLICAS) for as long as its writer waits
+    out an outage: a failover could lose it, so it is not reported done.
+
+    A redis ConnectionError: a producer's request is not accepted (Celery's publish retries it, then the caller
+    gets the error); in a replica it fails the request.
+    """

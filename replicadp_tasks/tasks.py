@@ -133,10 +133,11 @@ class Delivery:
         live delivery holds the fence, raise Parked: this replica need not wait for that one's result, and its
         message waits in Redis for the fence to be free (lease.Keeper.park); this start is not counted."""
         me = child.current()
-        answer = lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s)
-        if answer.state == FenceState.ACQUIRED:  # a failover keeps it: no second delivery computes meanwhile
-            connection.replicated(me.redis, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
-                                  f"request {self.request_id}'s fence")
+        # A failover keeps the fence: no second delivery computes meanwhile.
+        answer = connection.durable(me.redis,
+                                    lambda: lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s),
+                                    SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms, SETTINGS.redis_outage_s,
+                                    f"request {self.request_id}'s fence")
         done = me.store.get_meta(self.request_id)  # after the fence: a result stored just before counts
         if done is not None:
             if answer.ours:
@@ -211,11 +212,14 @@ class Delivery:
         me = child.current()
         # Decoding and encoding checked no fence: check it once more before the write.
         self.still_ours(lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s))
-        stored = me.store.put(self.request_id, video, result)
+
+        def put() -> Result:
+            stored = me.store.put(self.request_id, video, result)  # the first to store wins: this one, or another
+            me.record_completion(self.request_id)
+            return stored
+        # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
+        stored = connection.durable(me.redis, put, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
+                                    SETTINGS.redis_outage_s, f"request {self.request_id}'s result")
         if stored["execution"] != result["execution"]:  # another delivery computed it too
             me.redis.hincrby(STATS_KEY, "duplicate_executions", 1)
-        me.record_completion(self.request_id)
-        # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
-        connection.replicated(me.redis, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
-                              f"request {self.request_id}'s result")
         return stored

@@ -26,6 +26,9 @@ from .settings import SETTINGS
 
 log = logging.getLogger("replicadp")
 
+# A request not held by a Redis replica after this long of putting it again is not accepted (NotReplicated):
+# its producer is told, within Celery's publish retries, rather than blocked for a whole outage.
+PUBLISH_GIVE_UP_S = 10.0
 DEAD_KEEP = 1000  # records kept: the reasons of recent failures, bounded however much garbage arrives
 RAW_KEEP_CHARS = 500  # of a refused message, in its record: enough to recognise it
 
@@ -75,8 +78,8 @@ class Channel(kombu_redis.Channel):
         tenant = scheduling.check_tenant(headers.get(scheduling.TENANT_HEADER))
         user = scheduling.check_user(headers.get("replicadp_user"))
         if SETTINGS.scheduling == scheduling.Scheduling.FIFO:
-            super()._put(queue, message, **kwargs)
-            return self._replicated(headers.get("id"))
+            put = super()._put
+            return self._durably(lambda: put(queue, message, **kwargs), headers.get("id"))
         # Placed one at a time (kombu's publish batches only LPUSH): each place reads the list as it is now.
         kwargs.pop("_publish_batch", None)
         # A copy: kombu hands the same message to every queue bound to the exchange. The tenant, user-order and
@@ -88,15 +91,18 @@ class Channel(kombu_redis.Channel):
                  scheduling.ORDER_HEADER: scheduling.ORDER_PLACEHOLDER}
         rest = {k: v for k, v in headers.items() if k not in lane}
         placed = {**message, "headers": {**rest, **lane}, "properties": {**props, "priority": priority.level}}
-        with self.conn_or_acquire() as client:
-            scheduling.place(client, self._q_for_pri(queue, priority.level), dumps(placed), tenant, user)
-        self._replicated(headers.get("id"))
 
-    def _replicated(self, task_id) -> None:
-        """A request the producer was told is queued survives a failover: wait for the replicas to hold it."""
+        def place():
+            with self.conn_or_acquire() as client:
+                scheduling.place(client, self._q_for_pri(queue, priority.level), dumps(placed), tenant, user)
+        self._durably(place, headers.get("id"))
+
+    def _durably(self, put, task_id) -> None:
+        """A request its producer is told is queued survives a failover: put again until the replicas hold it (a
+        second copy, after a slow acknowledgement, is one more delivery of one task id, which the fence runs once)."""
         with self.conn_or_acquire() as client:
-            connection.replicated(client, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
-                                  f"request {task_id} queued")
+            connection.durable(client, put, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms, PUBLISH_GIVE_UP_S,
+                               f"request {task_id} queued")
 
     def _create_client(self, asynchronous=False):
         client = super()._create_client(asynchronous)

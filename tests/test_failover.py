@@ -6,6 +6,8 @@ and the replicas and the gateway serve on through the new primary."""
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -18,6 +20,9 @@ from conftest import run_client_on, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from replicadp_tasks import connection
 from replicadp_tasks.keys import ATTEMPTS_KEY, STATS_KEY
+from replicadp_tasks.scheduling import queue_lists
+from replicadp_tasks.settings import SETTINGS
+from replicadp_tasks.store import outage_tolerant
 from test_http import form_of, gateway, multipart
 
 BATCH = 40  # half through the gateway, half through Celery
@@ -133,3 +138,41 @@ def test_a_sentinel_killed_mid_batch_changes_nothing(ha, tmp_path):
                           lambda ha: os.kill(ha.server_pid(ha.sentinels[0]), signal.SIGKILL))
     assert ha.primary() is primary
     assert_nothing_lost(run)
+
+
+PRODUCER = """
+import sys
+from replicadp_tasks import generate
+print(generate.apply_async(kwargs={"prompt": "before the stop"}).id, flush=True)
+sys.stdin.readline()
+print(generate.apply_async(kwargs={"prompt": "during the stop"}).id, flush=True)
+"""
+
+
+def test_a_request_sent_to_a_stopped_primary_is_queued_on_the_new_one(ha):
+    """A producer connected to the primary sends a request while the primary is stopped; Sentinel promotes a
+    replica and the old primary resumes. The old primary may take the write (it still counts its replicas for up
+    to a second after it resumes) but no replica acknowledges it, so the producer puts it again through the new
+    primary before `apply_async` returns: both requests are queued there (had been: the second was lost with
+    the old primary's data when it rejoined as a replica, its producer told it was queued)."""
+    old = ha.primary()
+    pid = ha.server_pid(old)
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "REDIS_URL": ha.url})
+    try:
+        first = producer.stdout.readline().strip()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            producer.stdin.write("go\n")
+            producer.stdin.flush()
+            wait_for(lambda: ha.master_address()[1] != old.port, "Sentinel to promote a replica", timeout=30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        second = producer.stdout.readline().strip()
+        assert producer.wait(timeout=60) == 0
+    finally:
+        producer.kill()
+    assert first and second
+    client = outage_tolerant(ha.url, 30)  # the new primary refuses connections until a replica follows it
+    queued = b"".join(m for key in queue_lists(SETTINGS.queue) for m in client.lrange(key, 0, -1))
+    assert first.encode() in queued and second.encode() in queued
