@@ -29,6 +29,7 @@ from redis.asyncio import sentinel as async_sentinel
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from .errors import NotReplicated
+from .keys import REPLICATED_KEY
 
 log = logging.getLogger("replicadp")
 T = TypeVar("T")
@@ -38,10 +39,6 @@ SENTINEL_PORT = 26379
 # Our query parameters on a Sentinel URL; Celery is given the URL without them (celery_url).
 MASTER_PARAM, SENTINEL_PASSWORD_PARAM = "master_name", "sentinel_password"
 SENTINEL_TIMEOUT_S = 2.0  # a Sentinel that does not answer in this is skipped for the next one
-# Written before a WAIT by a caller whose write went through another connection (WAIT counts the writes of its
-# own connection; replication is in order, so a later write acknowledged means every earlier one is too), and by
-# every new connection to a Sentinel's master, to find out that it takes writes.
-MARK_KEY = "replicadp:replicated"
 # An error from a server that is no longer the master (it refuses writes without its replicas): a stale
 # connection across a failover, to drop like READONLY.
 NOREPLICAS = "NOREPLICAS"
@@ -162,7 +159,7 @@ class MasterConnection(SentinelManagedConnection):
     def on_connect_check_health(self, *args, **kwargs):
         super().on_connect_check_health(*args, **kwargs)
         if self.connection_pool.is_master:
-            self.send_command("INCR", MARK_KEY)
+            self.send_command("INCR", REPLICATED_KEY)
             self.read_response()
 
     def connect_check_health(self, *args, **kwargs):
@@ -202,7 +199,7 @@ class AsyncMasterConnection(async_sentinel.SentinelManagedConnection):
     async def on_connect_check_health(self, *args, **kwargs):
         await super().on_connect_check_health(*args, **kwargs)
         if self.connection_pool.is_master:
-            await self.send_command("INCR", MARK_KEY)
+            await self.send_command("INCR", REPLICATED_KEY)
             await self.read_response()
 
     async def connect_check_health(self, *args, **kwargs):
@@ -257,8 +254,10 @@ def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> boo
     waited for, for the log."""
     if replicas <= 0:
         return True
+    # WAIT counts the writes of its own connection; replication is in order, so this write acknowledged means
+    # every earlier one, on any connection, is too.
     pipe = r.pipeline(transaction=False)
-    pipe.incr(MARK_KEY)
+    pipe.incr(REPLICATED_KEY)
     pipe.execute_command("WAIT", replicas, timeout_ms)
     acked = pipe.execute()[-1]
     if acked < replicas:

@@ -53,6 +53,7 @@ UNACKED_INDEX_KEY = "unacked_index"  # sorted set of the same tags, scored by de
 
 # --- written by producers ---------------------------------------------------------------------------------
 CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request, read at every step
+REPLICATED_KEY = "replicadp:replicated"  # a counter: written before a WAIT and by each new connection (connection.py)
 # The queue's lists are kombu's, one per priority (scheduling.queue_lists); each has its fairness state here:
 FAIR_KEY = "replicadp:fair:"  # + list name: hash, user -> last fair tag, and ~hwm (scheduling.place)
 
