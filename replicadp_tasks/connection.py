@@ -11,8 +11,8 @@ Two kinds of URL:
   that is no longer the master (READONLY, NOREPLICAS), so a failover reads as a short outage.
 
 Replication is asynchronous: a write the old master acknowledged can be missing on the new one. Where a
-guarantee rests on a write (docs/reliability.md), the writer waits for `replicas` replicas to have it (WAIT),
-at most `ack_timeout_ms`: `replicated()`.
+guarantee rests on a write (docs/reliability.md, "Redis failover"), the writer makes it until replicas hold it:
+`durable()`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis
 from redis import asyncio as aioredis
 from redis.asyncio import sentinel as async_sentinel
-from redis.sentinel import Sentinel, SentinelManagedConnection
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
-from .errors import NotReplicated
+from .errors import NotReplicated, RedisURLError
 from .keys import REPLICATED_KEY
 
 log = logging.getLogger("replicadp")
@@ -42,11 +42,6 @@ SENTINEL_TIMEOUT_S = 2.0  # a Sentinel that does not answer in this is skipped f
 # An error from a server that is no longer the master (it refuses writes without its replicas): a stale
 # connection across a failover, to drop like READONLY.
 NOREPLICAS = "NOREPLICAS"
-
-
-class RedisURLError(ValueError):
-    """Raised when the Redis URL cannot be used (a Sentinel URL without its master's name, a bad port); the
-    message names REDIS_URL and shows the URL without its passwords."""
 
 
 @dataclass(frozen=True)
@@ -250,29 +245,50 @@ def async_client(url: str, max_connections: int, **kwargs) -> aioredis.Redis:
 
 def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> bool:
     """Wait until `replicas` replicas hold every write the master has acknowledged so far (a mark written here,
-    then WAIT on the same connection); False, logged, when fewer had it within `timeout_ms`. `what`: the write
-    waited for, for the log."""
+    then WAIT on the same connection), and, with Sentinel, check that the server is still the master Sentinel
+    names; False, logged, when fewer had it within `timeout_ms` or it is not. `what`: the write waited for, for
+    the log."""
     if replicas <= 0:
         return True
-    # WAIT counts the writes of its own connection; replication is in order, so this write acknowledged means
-    # every earlier one, on any connection, is too.
-    pipe = r.pipeline(transaction=False)
-    pipe.incr(REPLICATED_KEY)
-    pipe.execute_command("WAIT", replicas, timeout_ms)
-    acked = pipe.execute()[-1]
+    retry = r.get_retry()  # the client's (outage_tolerant's waits out an outage), if it has one
+    acked, server = (retry.call_with_retry(lambda: _wait(r, replicas, timeout_ms), lambda error: None) if retry
+                     else _wait(r, replicas, timeout_ms))
     if acked < replicas:
         log.warning("%s: %d of %d Redis replica(s) acknowledged it within %d ms", what, acked, replicas, timeout_ms)
         return False
+    # A stopped master that resumes after Sentinel promoted another can get a replica back for a moment (one that
+    # Sentinel has not moved to the new master yet), which acknowledges, and then resyncs from the new master.
+    if isinstance(r.connection_pool, SentinelConnectionPool):
+        master = r.connection_pool.get_master_address()
+        if (str(master[0]), int(master[1])) != server:
+            log.warning("%s: written to %s:%d, which is no longer the master (%s:%s)", what, *server, *master)
+            return False
     return True
+
+
+def _wait(r: redis.Redis, replicas: int, timeout_ms: int) -> tuple[int, tuple[str, int]]:
+    """(replicas that acknowledged, the server's address), on one connection: WAIT counts the writes of its own
+    connection, and replication is in order, so the mark acknowledged means every earlier write is too."""
+    conn = r.connection_pool.get_connection()
+    try:
+        conn.send_command("INCR", REPLICATED_KEY)
+        conn.read_response()
+        conn.send_command("WAIT", replicas, timeout_ms)
+        return conn.read_response(), (str(conn.host), int(conn.port))
+    except (redis.ConnectionError, redis.TimeoutError):
+        conn.disconnect()
+        raise
+    finally:
+        r.connection_pool.release(conn)
 
 
 def durable(r: redis.Redis, write: Callable[[], T], replicas: int, timeout_ms: int, give_up_s: float,
             what: str) -> T:
     """`write()` (which must be safe to repeat), then wait for `replicas` replicas to hold it; returns what the
-    last `write()` returned. Not acknowledged in `timeout_ms`, the write may have gone to a master that Sentinel
-    has since replaced (a stopped one that resumed, and still counts its replicas for up to a second): the
-    connections are dropped, so the next ones ask Sentinel, and the write is made again, until `give_up_s` have
-    passed: then NotReplicated."""
+    last `write()` returned. Not acknowledged in `timeout_ms`, or acknowledged by a server Sentinel no longer
+    names the master, the write may have gone to a master that Sentinel has since replaced (a stopped one that
+    resumed, and still counts its replicas for up to a second): the connections are dropped, so the next ones ask
+    Sentinel, and the write is made again, until `give_up_s` have passed: then NotReplicated."""
     deadline = time.monotonic() + give_up_s
     while True:
         answer = write()

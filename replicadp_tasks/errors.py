@@ -136,3 +136,11 @@ class NotReplicated(ReplicaDPError, redis.ConnectionError):
     A redis ConnectionError: a producer's request is not accepted (Celery's publish retries it, then the caller
     gets the error); in a replica it fails the request.
     """
+
+
+class RedisURLError(ReplicaDPError, ValueError):
+    """Raised when the Redis URL cannot be used (a Sentinel URL without its master's name, an unknown query
+    parameter, a bad port or database); the message names REDIS_URL and shows the URL without its passwords.
+
+    Fails the process at start (settings.py turns it into its exit message).
+    """

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from .connection import RedisURLError, parse
+from .connection import parse
+from .errors import RedisURLError
 from .logs import LogFormat
 from .memory import Offload
 from .parallel import Layout

@@ -12,6 +12,7 @@ import pytest
 from client.cli import Exit
 from client.local.ha import HAStack
 from replicadp_tasks import connection
+from replicadp_tasks.errors import RedisURLError
 
 SENTINELS = "sentinel://:m-secret@10.0.0.1:26379/2;sentinel://:m-secret@10.0.0.2/2"
 URL = SENTINELS + "?master_name=cache&sentinel_password=s-secret"
@@ -40,7 +41,7 @@ def test_a_sentinel_url_names_its_sentinels_master_and_passwords():
     ("sentinel://:m-secret@h:port/0?master_name=c", "Port could not be cast"),
 ])
 def test_a_bad_sentinel_url_is_refused_naming_redis_url_without_passwords(url, says):
-    with pytest.raises(connection.RedisURLError) as refused:
+    with pytest.raises(RedisURLError) as refused:
         connection.parse(url)
     assert str(refused.value).startswith("REDIS_URL=") and says in str(refused.value)
     assert "m-secret" not in str(refused.value)

@@ -96,6 +96,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def served_by(env: dict) -> str:
+    """The replica that serves a short request sent, as a user would, from a process on `env` (`up`'s state)."""
+    code = ("import json, sys; from replicadp_tasks import generate; "
+            "print(json.dumps(generate.delay(**json.loads(sys.argv[1])).get(timeout=90)))")
+    gen = subprocess.run([sys.executable, "-c", code, json.dumps(lasting(0.25))], env=env, capture_output=True,
+                         text=True, timeout=150)
+    assert gen.returncode == 0, gen.stderr
+    return json.loads(gen.stdout)["replica"]
+
+
 def test_up_restarts_its_killed_server_with_its_data(clean_env):
     """`replicadp up` runs its server under a supervisor: SIGKILL the Valkey process itself, and the server
     answers again on the same URL within seconds (a new process, the supervisor's child), with a key written
@@ -138,12 +148,7 @@ def test_up_restarts_its_killed_server_with_its_data(clean_env):
         log = (Path(state["run_dir"]) / "redis" / "supervisor.log").read_text()
         assert f"valkey (pid {servers[0]}) exited with status -9 (SIGKILL)" in log, log
 
-        code = ("import json, sys; from replicadp_tasks import generate; "
-                "print(json.dumps(generate.delay(**json.loads(sys.argv[1])).get(timeout=90)))")
-        gen = subprocess.run([sys.executable, "-c", code, json.dumps(lasting(0.25))], env=env,
-                             capture_output=True, text=True, timeout=150)
-        assert gen.returncode == 0, gen.stderr
-        assert json.loads(gen.stdout)["replica"] == state["replicas"][0]
+        assert served_by(env) == state["replicas"][0]
     finally:
         down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0 and "stopped 1 replica" in down.stdout, down.stdout + down.stderr
@@ -173,12 +178,7 @@ def test_up_ha_serves_through_a_killed_primary_and_down_stops_all_six(clean_env)
         primary = connection.client(state["redis_url"], socket_timeout=5)
         os.kill(int(primary.info("server")["process_id"]), signal.SIGKILL)
 
-        code = ("import json, sys; from replicadp_tasks import generate; "
-                "print(json.dumps(generate.delay(**json.loads(sys.argv[1])).get(timeout=90)))")
-        gen = subprocess.run([sys.executable, "-c", code, json.dumps(lasting(0.25))], env=env,
-                             capture_output=True, text=True, timeout=150)
-        assert gen.returncode == 0, gen.stderr
-        assert json.loads(gen.stdout)["replica"] == state["replicas"][0]
+        assert served_by(env) == state["replicas"][0]
     finally:
         down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0 and "stopped 1 replica" in down.stdout, down.stdout + down.stderr
