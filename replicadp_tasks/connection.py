@@ -259,11 +259,25 @@ def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> boo
     # A stopped master that resumes after Sentinel promoted another can get a replica back for a moment (one that
     # Sentinel has not moved to the new master yet), which acknowledges, and then resyncs from the new master.
     if isinstance(r.connection_pool, SentinelConnectionPool):
-        master = r.connection_pool.get_master_address()
-        if (str(master[0]), int(master[1])) != server:
-            log.warning("%s: written to %s:%d, which is no longer the master (%s:%s)", what, *server, *master)
+        master = newest_master(r.connection_pool)
+        if master != server:
+            log.warning("%s: written to %s:%d, which is no longer the master (%s)", what, *server, master)
             return False
     return True
+
+
+def newest_master(pool: SentinelConnectionPool) -> tuple[str, int] | None:
+    """The master's address in the newest configuration (the highest config epoch) among the Sentinels that
+    answer: a Sentinel can name the old master for a moment after the others switched."""
+    newest = None
+    for sentinel in pool.sentinel_manager.sentinels:
+        try:
+            state = sentinel.sentinel_master(pool.service_name)
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+            continue
+        if newest is None or state["config-epoch"] > newest[0]:
+            newest = (state["config-epoch"], (str(state["ip"]), int(state["port"])))
+    return newest and newest[1]
 
 
 def _wait(r: redis.Redis, replicas: int, timeout_ms: int) -> tuple[int, tuple[str, int]]:
