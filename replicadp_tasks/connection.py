@@ -27,6 +27,7 @@ import redis
 from redis import asyncio as aioredis
 from redis.asyncio import sentinel as async_sentinel
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.utils import str_if_bytes
 
 from .errors import NotReplicated, RedisURLError
 from .keys import REPLICATED_KEY
@@ -261,22 +262,37 @@ def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> boo
     if isinstance(r.connection_pool, SentinelConnectionPool):
         master = newest_master(r.connection_pool)
         if master != server:
-            log.warning("%s: written to %s:%d, which is no longer the master (%s)", what, *server, master)
+            log.warning("%s: written to %s:%d, which is not the master Sentinel names (%s)", what, *server,
+                        master or "none: a failover is under way, or no Sentinel answered")
             return False
     return True
 
 
 def newest_master(pool: SentinelConnectionPool) -> tuple[str, int] | None:
     """The master's address in the newest configuration (the highest config epoch) among the Sentinels that
-    answer: a Sentinel can name the old master for a moment after the others switched."""
-    newest = None
+    answer; None while one of them is promoting a replica it does not name yet, or when none answers.
+
+    The address is the one a Sentinel gives clients (GET-MASTER-ADDR-BY-NAME), not SENTINEL MASTER's `ip` and
+    `port`: the Sentinel leading a failover takes the new epoch once the replica it promotes reports itself
+    master, and names that replica to clients from then on, but keeps the old master's address in SENTINEL
+    MASTER until every other replica follows the new one. Before that epoch, from the start of the failover,
+    no Sentinel names the replica yet, and a write acknowledged then by a replica of the old master is lost when
+    that replica follows the new one."""
+    newest, name = None, pool.service_name
     for sentinel in pool.sentinel_manager.sentinels:
+        ask = sentinel.pipeline(transaction=False)
+        ask.sentinel_master(name)
+        ask.sentinel_get_master_addr_by_name(name)  # after SENTINEL MASTER: at least as new as its epoch
         try:
-            state = sentinel.sentinel_master(pool.service_name)
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+            state, (host, port) = ask.execute()
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, TypeError):  # TypeError: no address
             continue
+        address = (str_if_bytes(host), int(port))
+        promoting = "failover_in_progress" in state["flags"].split(",")  # a str in RESP2, redis-py's default
+        if promoting and address == (str(state["ip"]), int(state["port"])):
+            return None
         if newest is None or state["config-epoch"] > newest[0]:
-            newest = (state["config-epoch"], (str(state["ip"]), int(state["port"])))
+            newest = (state["config-epoch"], address)
     return newest and newest[1]
 
 
