@@ -1,6 +1,6 @@
 """What a Redis that fails over costs a request: the serving cost (synthetic:0, nothing to compute) on one
 embedded server against the HA stack (a primary, two replicas, three Sentinels: client/local/ha.py), where the
-writes a guarantee rests on wait for a replica (WAIT, connection.replicated). Rounds alternate between the two to
+writes a guarantee rests on wait for a replica (WAIT, replication.durable). Rounds alternate between the two to
 cancel drift; each is one `replicadp sweep` process. Also counts the WAITs and all commands per request on the
 primary. Prints a table and writes JSON.
 

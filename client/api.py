@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator
 import redis
 from celery import Celery
 
-from replicadp_tasks import app, connection, generate
+from replicadp_tasks import app, connection, generate, replication
 from replicadp_tasks.app import check_one_redis
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks import heartbeat
@@ -152,9 +152,8 @@ def cancel_request(task_id: str) -> None:
     """Cancel a request: a queued one fails as RequestCancelled when a replica takes it, a running one at its
     next denoising step; the replica keeps its model either way. A request that has ended is left as it is."""
     client = app.backend.client
-    connection.durable(client, lambda: client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s),
-                       SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms, SETTINGS.redis_outage_s,
-                       f"cancel of {task_id}")
+    replication.durable(client, lambda: client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s),
+                        f"cancel of {task_id}")
 
 
 def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float = 1800.0,

@@ -10,30 +10,23 @@ Two kinds of URL:
   query. Clients ask the Sentinels for the master at every new connection, and drop a connection to a server
   that is no longer the master (READONLY, NOREPLICAS), so a failover reads as a short outage.
 
-Replication is asynchronous: a write the old master acknowledged can be missing on the new one. Where a
-guarantee rests on a write (docs/reliability.md, "Redis failover"), the writer makes it until replicas hold it:
-`durable()`.
+Replication is asynchronous: a write the old master acknowledged can be missing on the new one; replication.py
+makes the writes a guarantee rests on until replicas hold them.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis import asyncio as aioredis
 from redis.asyncio import sentinel as async_sentinel
-from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 from redis.utils import str_if_bytes
 
-from .errors import NotReplicated, RedisURLError
+from .errors import RedisURLError
 from .keys import REPLICATED_KEY
-
-log = logging.getLogger("replicadp")
-T = TypeVar("T")
 
 SENTINEL_SCHEME = "sentinel"
 SENTINEL_PORT = 26379
@@ -143,6 +136,68 @@ def _sentinel_kwargs(target: Target) -> dict:
     return kwargs
 
 
+# What makes a Sentinel's answer unusable: down, or it does not know the master's name (None, TypeError to unpack).
+_NO_ANSWER = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, TypeError)
+
+
+def newest_master(sentinels: list[redis.Redis], name: str) -> tuple[str, int] | None:
+    """The address of master `name` in the newest configuration (the highest config epoch) among the
+    `sentinels` that answer; None while one of them is promoting a replica it does not name yet, or when none
+    answers. What every connection to the master asks (MasterConnection), and what a guaranteed write checks
+    after its WAIT (replication.py).
+
+    Not redis-py's discover_master, which takes the first Sentinel that calls the master up, and its
+    SENTINEL MASTERS address: the Sentinel leading a failover takes the new epoch once the replica it promotes
+    reports itself master and gives clients that replica's address from then on (GET-MASTER-ADDR-BY-NAME), but
+    keeps the old master's address in SENTINEL MASTER(S) until every other replica follows the new one (up to
+    the failover timeout). Before that epoch, from the start of the failover, no Sentinel names the replica yet,
+    and a write the old master takes then (resumed early) and one of its replicas acknowledges is lost when that
+    replica follows the new master."""
+    answers = []
+    for sentinel in sentinels:
+        ask = sentinel.pipeline(transaction=False)
+        ask.sentinel_master(name)
+        ask.sentinel_get_master_addr_by_name(name)  # after SENTINEL MASTER: at least as new as its epoch
+        try:
+            answers.append(ask.execute())
+        except _NO_ANSWER:
+            continue
+    return _newest(answers)
+
+
+async def async_newest_master(sentinels: list[aioredis.Redis], name: str) -> tuple[str, int] | None:
+    """newest_master for redis.asyncio's Sentinels."""
+    answers = []
+    for sentinel in sentinels:
+        ask = sentinel.pipeline(transaction=False)
+        ask.sentinel_master(name)
+        ask.sentinel_get_master_addr_by_name(name)
+        try:
+            answers.append(await ask.execute())
+        except _NO_ANSWER:
+            continue
+    return _newest(answers)
+
+
+def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[str, int] | None:
+    newest = None
+    for state, address in answers:
+        if address is None:
+            continue
+        address = (str_if_bytes(address[0]), int(address[1]))
+        promoting = "failover_in_progress" in state["flags"].split(",")  # a str in RESP2, redis-py's default
+        if promoting and address == (str(state["ip"]), int(state["port"])):
+            return None
+        if newest is None or state["config-epoch"] > newest[0]:
+            newest = (state["config-epoch"], address)
+    return newest and newest[1]
+
+
+def _not_found(name: str, sentinels: list) -> MasterNotFoundError:
+    return MasterNotFoundError(f"No master found for {name!r}: none of {len(sentinels)} Sentinel(s) names one "
+                               "(unreachable, another master name, or a failover under way)")
+
+
 class MasterConnection(SentinelManagedConnection):
     """A connection to the master Sentinel names that also drops itself on NOREPLICAS: a server cut off from
     its replicas (a stopped and resumed old master, before Sentinel demotes it) refuses writes with it, and the
@@ -158,12 +213,31 @@ class MasterConnection(SentinelManagedConnection):
             self.send_command("INCR", REPLICATED_KEY)
             self.read_response()
 
+    def _connect_retry(self):
+        if self._sock or not self.connection_pool.is_master:
+            return super()._connect_retry()
+        self.connect_check_health(check_health=self.connection_pool.check_connection, retry_socket_connect=False)
+
     def connect_check_health(self, *args, **kwargs):
         # redis-py 8 reconnects a dropped connection here (send_packed_command), not through connect(), so a
         # retried command went back to the old master's address for as long as the retries lasted.
         if not self._sock and self.connection_pool.is_master:
-            self.host, self.port = self.connection_pool.get_master_address()
+            self.host, self.port = self._master_address()
         return super().connect_check_health(*args, **kwargs)
+
+    def _master_address(self) -> tuple[str, int]:
+        """newest_master, recorded in the pool as redis-py's get_master_address records its own: the pool keeps
+        only connections to that address, and closes its idle ones when it changes."""
+        proxy = self.connection_pool  # redis-py's SentinelConnectionPoolProxy
+        address = newest_master(proxy.sentinel_manager.sentinels, proxy.service_name)
+        if address is None:
+            raise _not_found(proxy.service_name, proxy.sentinel_manager.sentinels)
+        if proxy.master_address != address:
+            proxy.master_address = address
+            pool = proxy.connection_pool_ref()
+            if pool is not None:
+                pool.disconnect(inuse_connections=False)
+        return address
 
     def read_response(self, *args, **kwargs):
         try:
@@ -198,10 +272,26 @@ class AsyncMasterConnection(async_sentinel.SentinelManagedConnection):
             await self.send_command("INCR", REPLICATED_KEY)
             await self.read_response()
 
+    async def _connect_retry(self):
+        if self._reader or not self.connection_pool.is_master:
+            return await super()._connect_retry()
+        await self.connect_check_health(check_health=self.connection_pool.check_connection,
+                                        retry_socket_connect=False)
+
     async def connect_check_health(self, *args, **kwargs):
         if not self.is_connected and self.connection_pool.is_master:
-            self.host, self.port = await self.connection_pool.get_master_address()
+            self.host, self.port = await self._master_address()
         return await super().connect_check_health(*args, **kwargs)
+
+    async def _master_address(self) -> tuple[str, int]:
+        pool = self.connection_pool
+        address = await async_newest_master(pool.sentinel_manager.sentinels, pool.service_name)
+        if address is None:
+            raise _not_found(pool.service_name, pool.sentinel_manager.sentinels)
+        if pool.master_address != address:
+            pool.master_address = address
+            await pool.disconnect(inuse_connections=False)
+        return address
 
     async def read_response(self, *args, **kwargs):
         try:
@@ -242,89 +332,3 @@ def async_client(url: str, max_connections: int, **kwargs) -> aioredis.Redis:
     sentinel = async_sentinel.Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
     return sentinel.master_for(target.master, password=target.password, username=target.username, db=target.db,
                                connection_class=AsyncMasterConnection, max_connections=max_connections, **kwargs)
-
-
-def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> bool:
-    """Wait until `replicas` replicas hold every write the master has acknowledged so far (a mark written here,
-    then WAIT on the same connection), and, with Sentinel, check that the server is still the master Sentinel
-    names; False, logged, when fewer had it within `timeout_ms` or it is not. `what`: the write waited for, for
-    the log."""
-    if replicas <= 0:
-        return True
-    retry = r.get_retry()  # the client's (outage_tolerant's waits out an outage), if it has one
-    acked, server = (retry.call_with_retry(lambda: _wait(r, replicas, timeout_ms), lambda error: None) if retry
-                     else _wait(r, replicas, timeout_ms))
-    if acked < replicas:
-        log.warning("%s: %d of %d Redis replica(s) acknowledged it within %d ms", what, acked, replicas, timeout_ms)
-        return False
-    # A stopped master that resumes after Sentinel promoted another can get a replica back for a moment (one that
-    # Sentinel has not moved to the new master yet), which acknowledges, and then resyncs from the new master.
-    if isinstance(r.connection_pool, SentinelConnectionPool):
-        master = newest_master(r.connection_pool)
-        if master != server:
-            log.warning("%s: written to %s:%d, which is not the master Sentinel names (%s)", what, *server,
-                        master or "none: a failover is under way, or no Sentinel answered")
-            return False
-    return True
-
-
-def newest_master(pool: SentinelConnectionPool) -> tuple[str, int] | None:
-    """The master's address in the newest configuration (the highest config epoch) among the Sentinels that
-    answer; None while one of them is promoting a replica it does not name yet, or when none answers.
-
-    The address is the one a Sentinel gives clients (GET-MASTER-ADDR-BY-NAME), not SENTINEL MASTER's `ip` and
-    `port`: the Sentinel leading a failover takes the new epoch once the replica it promotes reports itself
-    master, and names that replica to clients from then on, but keeps the old master's address in SENTINEL
-    MASTER until every other replica follows the new one. Before that epoch, from the start of the failover,
-    no Sentinel names the replica yet, and a write acknowledged then by a replica of the old master is lost when
-    that replica follows the new one."""
-    newest, name = None, pool.service_name
-    for sentinel in pool.sentinel_manager.sentinels:
-        ask = sentinel.pipeline(transaction=False)
-        ask.sentinel_master(name)
-        ask.sentinel_get_master_addr_by_name(name)  # after SENTINEL MASTER: at least as new as its epoch
-        try:
-            state, (host, port) = ask.execute()
-        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, TypeError):  # TypeError: no address
-            continue
-        address = (str_if_bytes(host), int(port))
-        promoting = "failover_in_progress" in state["flags"].split(",")  # a str in RESP2, redis-py's default
-        if promoting and address == (str(state["ip"]), int(state["port"])):
-            return None
-        if newest is None or state["config-epoch"] > newest[0]:
-            newest = (state["config-epoch"], address)
-    return newest and newest[1]
-
-
-def _wait(r: redis.Redis, replicas: int, timeout_ms: int) -> tuple[int, tuple[str, int]]:
-    """(replicas that acknowledged, the server's address), on one connection: WAIT counts the writes of its own
-    connection, and replication is in order, so the mark acknowledged means every earlier write is too."""
-    conn = r.connection_pool.get_connection()
-    try:
-        conn.send_command("INCR", REPLICATED_KEY)
-        conn.read_response()
-        conn.send_command("WAIT", replicas, timeout_ms)
-        return conn.read_response(), (str(conn.host), int(conn.port))
-    except (redis.ConnectionError, redis.TimeoutError):
-        conn.disconnect()
-        raise
-    finally:
-        r.connection_pool.release(conn)
-
-
-def durable(r: redis.Redis, write: Callable[[], T], replicas: int, timeout_ms: int, give_up_s: float,
-            what: str) -> T:
-    """`write()` (which must be safe to repeat), then wait for `replicas` replicas to hold it; returns what the
-    last `write()` returned. Not acknowledged in `timeout_ms`, or acknowledged by a server Sentinel no longer
-    names the master, the write may have gone to a master that Sentinel has since replaced (a stopped one that
-    resumed, and still counts its replicas for up to a second): the connections are dropped, so the next ones ask
-    Sentinel, and the write is made again, until `give_up_s` have passed: then NotReplicated."""
-    deadline = time.monotonic() + give_up_s
-    while True:
-        answer = write()
-        if replicated(r, replicas, timeout_ms, what):
-            return answer
-        if time.monotonic() > deadline:
-            raise NotReplicated(f"{what}: no Redis replica acknowledged it in {give_up_s:g} s of trying "
-                                f"(REPLICADP_REDIS_REPLICAS={replicas})")
-        r.connection_pool.disconnect()

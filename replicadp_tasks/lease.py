@@ -13,7 +13,8 @@ Every replica sweeps once a second: a message whose holder's heartbeat has expir
 (kombu's own `restore_by_tag`, a transaction, so concurrent sweepers push it once). A replica also requeues
 what is recorded as its own but its process does not hold: at once after a restart under the same name (its
 previous process's), and within two ticks when Celery dropped a message after a broker reconnect; and any
-message delivered a lease ago that no replica recorded (the broker died as it arrived).
+message delivered a lease ago that no replica recorded (the broker died as it arrived). A message this
+process popped but could not record as delivered (transport.QoS) it puts back once Redis answers.
 A sweeper that has just (re)connected waits one lease first, so that a Redis restart, which expires every
 heartbeat at once, does not look like every replica dying.
 
@@ -43,7 +44,7 @@ from typing import NamedTuple
 
 import redis
 
-from . import connection
+from . import connection, transport
 from .keys import ALIVE_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken, fence_key
 
 log = logging.getLogger("replicadp")
@@ -200,6 +201,8 @@ class Keeper:
                         pipe.eval(_RELEASE, 1, key, str(tok))
                 pipe.execute()
             self.fences = fences
+            if transport.ORPHANS and self.qos is not None:
+                transport.put_back_orphans(self.qos.channel, self.redis)
             now = time.time()
             if self.healthy_since is None:
                 self.healthy_since = now

@@ -260,7 +260,7 @@ class Settings:
             # kept meanwhile: computing a 5B request again costs minutes); a Redis restart takes seconds.
             redis_outage_s=_int("REPLICADP_REDIS_OUTAGE", 300),
             # Writes a guarantee rests on (a queued request, a fence, a result, a cancel) wait until this many Redis
-            # replicas hold them, so that a failover keeps them (connection.replicated). A Sentinel URL: 1, which
+            # replicas hold them, so that a failover keeps them (replication.durable). A Sentinel URL: 1, which
             # the replica Sentinel promotes (the most up to date) has; a single server: 0 (nothing to wait for).
             # Give 1 for a managed Redis with a replica behind one endpoint.
             redis_replicas=_int("REPLICADP_REDIS_REPLICAS", 1 if parse(_redis_url()).is_sentinel else 0),

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from . import child, connection, lease
+from . import child, lease, replication
 from .app import app
 from .errors import GroupLost, InvalidRequest, Parked, PoisonRequest, RequestCancelled, RequestIdConflict
 from .images import load_first_frame
@@ -134,10 +134,8 @@ class Delivery:
         message waits in Redis for the fence to be free (lease.Keeper.park); this start is not counted."""
         me = child.current()
         # A failover keeps the fence: no second delivery computes meanwhile.
-        answer = connection.durable(me.redis,
-                                    lambda: lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s),
-                                    SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms, SETTINGS.redis_outage_s,
-                                    f"request {self.request_id}'s fence")
+        answer = replication.durable(me.redis, lambda: lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s),
+                                     f"request {self.request_id}'s fence")
         done = me.store.get_meta(self.request_id)  # after the fence: a result stored just before counts
         if done is not None:
             if answer.ours:
@@ -218,8 +216,7 @@ class Delivery:
             me.record_completion(self.request_id)
             return stored
         # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
-        stored = connection.durable(me.redis, put, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms,
-                                    SETTINGS.redis_outage_s, f"request {self.request_id}'s result")
+        stored = replication.durable(me.redis, put, f"request {self.request_id}'s result")
         if stored["execution"] != result["execution"]:  # another delivery computed it too
             me.redis.hincrby(STATS_KEY, "duplicate_executions", 1)
         return stored

@@ -12,7 +12,7 @@ import pytest
 
 from client.cli import Exit
 from client.local.ha import MASTER_NAME, HAStack
-from replicadp_tasks import connection
+from replicadp_tasks import connection, replication
 from replicadp_tasks.errors import RedisURLError
 
 SENTINELS = "sentinel://:m-secret@10.0.0.1:26379/2;sentinel://:m-secret@10.0.0.2/2"
@@ -90,45 +90,46 @@ def test_a_guaranteed_write_waits_for_a_replica_and_says_when_none_has_it(ha, ca
     after its timeout, logs that the write is on the master only, and returns False (the write stands)."""
     client = connection.client(ha.url, socket_timeout=5)
     client.set("before-the-wait", 1)
-    assert connection.replicated(client, 1, 1000, "a test write")
+    assert replication.replicated(client, 1, 1000, "a test write")
     replicas = [ha.server_pid(n) for n in ha.nodes if n is not ha.primary()]
     for pid in replicas:
         os.kill(pid, signal.SIGSTOP)
     try:
         with caplog.at_level(logging.WARNING, logger="replicadp"):
-            assert not connection.replicated(client, 1, 200, "a test write")
+            assert not replication.replicated(client, 1, 200, "a test write")
     finally:
         for pid in replicas:
             os.kill(pid, signal.SIGCONT)
     assert "a test write: 0 of 1 Redis replica(s) acknowledged it within 200 ms" in caplog.text
-    assert connection.replicated(client, 0, 1000, "nothing to wait for")
+    assert replication.replicated(client, 0, 1000, "nothing to wait for")
 
 
 def test_the_master_checked_after_a_write_is_never_the_old_one_during_a_failover(tmp_path):
-    """The check a guaranteed write makes after its WAIT (connection.newest_master) during a failover of a
-    SIGSTOPped primary, sampled every few milliseconds: once any Sentinel holds the new configuration epoch it
-    names the promoted replica or nothing (a promotion under way), never the old primary, and the new one when
-    the failover has ended. (Had been: the Sentinel leading the failover reports the new epoch with the old
-    master's address in SENTINEL MASTER for about 50 ms, and that confirmed writes to the resumed old primary.)"""
+    """The master every connection asks for and every guaranteed write checks after its WAIT
+    (connection.newest_master) during a failover of a SIGSTOPped primary, sampled every few milliseconds: once
+    any Sentinel holds the new configuration epoch it names the promoted replica or nothing (a promotion under
+    way), never the old primary, and the new one when the failover has ended. (Had been: the Sentinel leading the failover reports the new epoch with the old
+    master's address in SENTINEL MASTER for about 50 ms, and that confirmed writes to the resumed old primary;
+    redis-py's discovery reads the same address, up to the end of the failover.)"""
     ha = HAStack(tmp_path / "ha")
     ha.start()
     try:
         old = ("127.0.0.1", ha.primary().port)
         pid = ha.server_pid(ha.primary())
-        pool = connection.client(ha.url, socket_timeout=2).connection_pool
+        asked = connection.client(ha.url, socket_timeout=2).connection_pool.sentinel_manager.sentinels
 
-        def sentinels():  # (the newest epoch, whether a failover is under way) as the Sentinels report it
+        def reported():  # (the newest epoch, whether a failover is under way) as the Sentinels report it
             states = [ha._sentinel(s).sentinel_master(MASTER_NAME) for s in ha.sentinels]
             return max(s["config-epoch"] for s in states), any("failover_in_progress" in s["flags"] for s in states)
 
-        first, _ = sentinels()
+        first, _ = reported()
         samples = []  # (a newer epoch was reported before it, what newest_master named)
         os.kill(pid, signal.SIGSTOP)
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                epoch, under_way = sentinels()
-                samples.append((epoch > first, connection.newest_master(pool)))
+                epoch, under_way = reported()
+                samples.append((epoch > first, connection.newest_master(asked, MASTER_NAME)))
                 if epoch > first:  # resumed as soon as a replica is promoted, as test_failover.py does
                     os.kill(pid, signal.SIGCONT)
                     if not under_way and samples[-1][1] not in (None, old):

@@ -25,12 +25,6 @@ from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.store import outage_tolerant
 from test_http import form_of, gateway, multipart
 
-# Opt-in until their failures are understood (docs/reliability.md, "Redis failover"): in runs on 2026-12-05 the
-# batch tests failed 2 times in about 12 each (once the gateway's jobs never ended after a primary kill, once a
-# stop test whose output was lost), and a request sent during a stop was lost in 1 run of 6.
-pytestmark = pytest.mark.skipif(os.environ.get("REPLICADP_TEST_FAILOVER") != "1",
-                                reason="set REPLICADP_TEST_FAILOVER=1 to run it (known to fail now and then)")
-
 BATCH = 40  # half through the gateway, half through Celery
 REQUEST_S = 0.4  # each, on the synthetic backend: the batch lasts ~8 s on two replicas
 
@@ -65,6 +59,22 @@ def stored(out) -> int:
     return len(list(out.glob("*.json"))) if out.exists() else 0
 
 
+def whereabouts(url: str, logs: list, job_id: str) -> str:
+    """Where a request is, for the message of a failed test: the Redis keys that name it or hold it, and the lines
+    of the replicas' and the gateway's logs that name it."""
+    r = connection.client(url, socket_timeout=5)
+    found, mark = [], job_id.encode()
+    for key in r.scan_iter(count=1000):
+        kind = r.type(key).decode()
+        values = {"list": lambda: r.lrange(key, 0, -1), "hash": lambda: [k + v for k, v in r.hgetall(key).items()],
+                  "zset": lambda: r.zrange(key, 0, -1), "string": lambda: [r.get(key) or b""]}.get(kind, list)()
+        if mark in key or any(mark in v for v in values):
+            found.append(f"{key.decode()} ({kind})")
+    lines = [line for path in logs if path.exists() for line in path.read_text(errors="replace").splitlines()
+             if job_id in line and "GET /v1/videos/" not in line]
+    return f"{job_id}: in {found}; logged: {lines[-12:]}"
+
+
 def through_a_fault(ha: HAStack, tmp_path, name: str, fault) -> SimpleNamespace:
     """Send the batch, run `fault(ha)` once some requests are stored and others still wait, and wait for the
     batch to end. What it counts: requests not completed, stored results computed by a second delivery, starts
@@ -87,12 +97,23 @@ def through_a_fault(ha: HAStack, tmp_path, name: str, fault) -> SimpleNamespace:
             wait_for(lambda: stored(out) > before, "a result stored after the fault", interval=0.02, timeout=120)
             resumed_s = time.monotonic() - struck
 
-            def finished(job_id):
-                answer = gw.client.get(f"/v1/videos/{job_id}")  # a 503 while Redis fails over: asked again
-                return answer.status_code == 200 and answer.json()["status"] in ("completed", "failed")
-
             ids = [j.json()["id"] for j in jobs]
-            wait_for(lambda: all(finished(i) for i in ids), "the gateway's jobs to end", timeout=240)
+            unended = {}  # id: the last answer that was not an end, for the message of a timeout
+
+            def ended() -> bool:
+                for job_id in ids:
+                    answer = gw.client.get(f"/v1/videos/{job_id}")  # a 503 while Redis fails over: asked again
+                    if answer.status_code == 200 and answer.json()["status"] in ("completed", "failed"):
+                        unended.pop(job_id, None)
+                    else:
+                        unended[job_id] = f"{answer.status_code} {answer.text[:200]}"
+                return not unended
+
+            try:
+                wait_for(ended, "the gateway's jobs to end", timeout=240)
+            except TimeoutError as exc:
+                where = [whereabouts(ha.url, [group.log_path, gw.log_path], i) for i in unended]
+                raise AssertionError(f"{len(unended)} job(s) not ended, the last answers: {unended}; {where}") from exc
             http = [gw.client.get(f"/v1/videos/{i}").json() for i in ids]
             outcomes = [SimpleNamespace(**o) for o in json.loads(producer.communicate(timeout=300)[0])]
             assert producer.returncode == 0

@@ -469,3 +469,39 @@ def test_a_parked_request_is_computed_when_the_first_computation_dies(synthetic)
     assert a["execution"] == b["execution"] and a["video_sha256"] == b["video_sha256"]
     assert FenceToken.parse(a["execution"]).pid != info["pid"]
     serve_again(synthetic)
+
+
+def test_a_message_popped_as_redis_dies_is_put_back(tmp_path):
+    """A message taken off the queue whose delivery record cannot be written (Redis killed between the pop and
+    the record) is kept by the process that popped it (transport.QoS) and put back at the head of its queue once
+    Redis is back (put_back_orphans, from the lease thread): the next consumer gets it, redelivered. (Had been: in
+    Redis nowhere, and dropped by the failed write: the request was never run.)"""
+    from kombu import Connection, Exchange, Queue
+
+    from client.local.embedded import EmbeddedServer
+    from replicadp_tasks import transport
+
+    server = EmbeddedServer(tmp_path / "redis")
+    url = server.start()
+    try:
+        with Connection(url, transport="replicadp_tasks.transport:Transport") as conn:
+            queue = Queue("orphans", Exchange("orphans", type="direct"), routing_key="orphans")
+            conn.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key="orphans", declare=[queue],
+                                    headers={"id": "popped-as-redis-died"})
+            channel = conn.default_channel
+            popped = channel.basic_get("orphans", no_ack=True)  # the pop alone, as a BRPOP reply
+            os.kill(server.proc.pid, signal.SIGKILL)  # before the delivery record is written
+            server.proc.wait()
+            with pytest.raises(redis.ConnectionError):
+                channel.qos.append(popped, popped.delivery_tag)
+            server = EmbeddedServer(tmp_path / "redis", port=server.port, password=server.password)
+            server.start()  # from its append-only file: the queue without the message
+            assert list(transport.ORPHANS) == [(popped._raw, "orphans", "orphans")]
+            transport.put_back_orphans(channel, redis.Redis.from_url(url))
+            assert not transport.ORPHANS
+            again = channel.basic_get("orphans", no_ack=True)
+            assert again.payload == {"n": 1} and again.headers["id"] == "popped-as-redis-died"
+            assert again.delivery_info["redelivered"] is True
+    finally:
+        transport.ORPHANS.clear()
+        server.stop()
