@@ -21,6 +21,7 @@ import redis
 
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from . import connection, message, replication, scheduling
@@ -71,11 +72,12 @@ def serves(queue: str) -> bool:
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's, without losing a message between its BRPOP and its delivery record. The BRPOP takes the message
-    off the queue and the record (`unacked`, from which kombu and the sweep restore it) is a second write: when
-    Redis dies or fails over between the two, the message is in Redis nowhere, and the failed write dropped it
-    from this process too (seen: a request never run, in about 1 of 10 primary kills under a batch). Here it is
-    kept in ORPHANS, and the replica's lease thread puts it back at the head of its queue once Redis answers."""
+    """kombu's, without losing a message between its BRPOP and its delivery record, nor the consumer after an
+    acknowledgement that failed. The BRPOP takes the message off the queue and the record (`unacked`, from which
+    kombu and the sweep restore it) is a second write: when Redis dies or fails over between the two, the message
+    is in Redis nowhere, and the failed write dropped it from this process too (seen: a request never run, in
+    about 1 of 10 primary kills under a batch). Here it is kept in ORPHANS, and the replica's lease thread puts
+    it back at the head of its queue once Redis answers."""
 
     def append(self, message, delivery_tag):
         try:
@@ -85,6 +87,17 @@ class QoS(kombu_redis.QoS):
             ORPHANS.append((message._raw, info["exchange"], info["routing_key"]))
             log.warning("request %s: taken off the queue as Redis failed, and recorded nowhere: kept here to be put "
                         "back", message.headers.get("id"))
+            raise
+
+    def ack(self, delivery_tag):
+        try:
+            super().ack(delivery_tag)
+        except (redis.ConnectionError, redis.TimeoutError):
+            # The record stays in Redis (the sweep requeues the message, whose redelivery returns the stored
+            # result), but the message is settled in this process: unsettled, it held the replica's one prefetch
+            # slot, and the consumer polled no more until its connection broke (13 s after a stopped primary
+            # resumed, refusing writes: Sentinel demotes it, closing its clients, 8 s after it reappears).
+            virtual.QoS.ack(self, delivery_tag)
             raise
 
 
