@@ -136,8 +136,8 @@ def _sentinel_kwargs(target: Target) -> dict:
     return kwargs
 
 
-# What makes a Sentinel's answer unusable: down, or it does not know the master's name (None, TypeError to unpack).
-_NO_ANSWER = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, TypeError)
+# What makes a Sentinel's answer unusable: down, or it does not monitor a master of that name.
+_NO_ANSWER = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
 
 
 def newest_master(sentinels: list[redis.Redis], name: str) -> tuple[str, int] | None:
@@ -155,11 +155,8 @@ def newest_master(sentinels: list[redis.Redis], name: str) -> tuple[str, int] | 
     replica follows the new master."""
     answers = []
     for sentinel in sentinels:
-        ask = sentinel.pipeline(transaction=False)
-        ask.sentinel_master(name)
-        ask.sentinel_get_master_addr_by_name(name)  # after SENTINEL MASTER: at least as new as its epoch
         try:
-            answers.append(ask.execute())
+            answers.append(_asking(sentinel, name).execute())
         except _NO_ANSWER:
             continue
     return _newest(answers)
@@ -169,14 +166,20 @@ async def async_newest_master(sentinels: list[aioredis.Redis], name: str) -> tup
     """newest_master for redis.asyncio's Sentinels."""
     answers = []
     for sentinel in sentinels:
-        ask = sentinel.pipeline(transaction=False)
-        ask.sentinel_master(name)
-        ask.sentinel_get_master_addr_by_name(name)
         try:
-            answers.append(await ask.execute())
+            answers.append(await _asking(sentinel, name).execute())
         except _NO_ANSWER:
             continue
     return _newest(answers)
+
+
+def _asking(sentinel, name: str):
+    """One round trip to a Sentinel (a pipeline, sync or async as `sentinel`): master `name`'s state, then the
+    address it gives clients, at least as new as that state's epoch."""
+    ask = sentinel.pipeline(transaction=False)
+    ask.sentinel_master(name)
+    ask.sentinel_get_master_addr_by_name(name)
+    return ask
 
 
 def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[str, int] | None:
