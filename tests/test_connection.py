@@ -108,9 +108,10 @@ def test_the_master_checked_after_a_write_is_never_the_old_one_during_a_failover
     """The master every connection asks for and every guaranteed write checks after its WAIT
     (connection.newest_master) during a failover of a SIGSTOPped primary, sampled every few milliseconds: once
     any Sentinel holds the new configuration epoch it names the promoted replica or nothing (a promotion under
-    way), never the old primary, and the new one when the failover has ended. (Had been: the Sentinel leading the failover reports the new epoch with the old
-    master's address in SENTINEL MASTER for about 50 ms, and that confirmed writes to the resumed old primary;
-    redis-py's discovery reads the same address, up to the end of the failover.)"""
+    way), never the old primary, and the new one when the failover has ended. (Had been: the Sentinel leading
+    the failover reports the new epoch with the old master's address in SENTINEL MASTER for about 50 ms, and
+    that confirmed writes to the resumed old primary; redis-py's discovery reads the same address, up to the end
+    of the failover.)"""
     ha = HAStack(tmp_path / "ha")
     ha.start()
     try:

@@ -193,11 +193,12 @@ def test_launcher_restarts_a_dead_replica(redis_db, tmp_path):
 
 
 def test_soft_time_limit_fails_the_request_and_the_replica_serves_on(redis_db, tmp_path):
-    """Past REPLICADP_SOFT_TIME_LIMIT (1 s) a request (one of 30 s) fails cleanly (FAILURE,
-    SoftTimeLimitExceeded, not retried), and the same replica then serves the next request."""
+    """Past REPLICADP_SOFT_TIME_LIMIT (5 s) a request (one of 30 s) fails cleanly (FAILURE,
+    SoftTimeLimitExceeded, not retried), and the same replica then serves the next request (of 0.5 s: with a
+    limit of 1 s, a loaded 2-core machine once took it past the limit too)."""
     url = redis_db()
     group = start_replicas(1, url, "time-limits", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path),
-                           REPLICADP_SOFT_TIME_LIMIT="1", REPLICADP_TIME_LIMIT="60")
+                           REPLICADP_SOFT_TIME_LIMIT="5", REPLICADP_TIME_LIMIT="60")
     try:
         first, second = run_client_on(url, [lasting(30, prompt="too long"), SHORT], concurrency=1)
     finally:
