@@ -58,10 +58,11 @@ class Outcome:
 
 @dataclass
 class InFlight:
-    """What a running request last reported: its state and denoising step."""
+    """What a running request last reported: its state, phase (records.Phase) and denoising step."""
 
     outcome: Outcome
     state: str = RequestState.PENDING
+    phase: str | None = None
     step: int = 0
     total_steps: int = 0
     replica: str | None = None
@@ -160,7 +161,8 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
                  on_update: Callable[[list[InFlight], Outcome | None], None] | None = None) -> Iterator[Outcome]:
     """Submit `requests` keeping at most `concurrency` in flight (0: all at once), and yield each Outcome as
     its request completes. A request that fails or passes `timeout` seconds yields ok=False; the others go on.
-    `on_update(in_flight, finished)` is called whenever a request is sent, or one in flight changes state or step.
+    `on_update(in_flight, finished)` is called whenever a request is sent, or one in flight changes state, phase or
+    step.
     Results arrive through the result waiter (results.py), not by polling."""
     check_redis()
     pending = list(enumerate(requests))
@@ -184,8 +186,9 @@ def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float 
             where = "still queued: is any replica live?" if status == RequestState.PENDING else status
             out.error = f"timed out after {timeout:.0f} s ({where})"
         else:
-            if isinstance(info, dict) and (status, info.get("step", 0)) != (entry.state, entry.step):
-                entry.step = info.get("step", entry.step)
+            if isinstance(info, dict) and (status, info.get("step", 0), info.get("phase")) != (
+                    entry.state, entry.step, entry.phase):
+                entry.step, entry.phase = info.get("step", entry.step), info.get("phase")
                 entry.total_steps = info.get("total_steps", entry.total_steps)
                 entry.replica = info.get("replica") or info.get("hostname") or entry.replica
                 if on_update:

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from replicadp_tasks import app
 from replicadp_tasks.keys import UNACKED_KEY
-from replicadp_tasks.records import READY, RequestState, Result
+from replicadp_tasks.records import READY, Phase, RequestState, Result
 from replicadp_tasks.scheduling import queue_lists
 from replicadp_tasks.settings import SETTINGS
 
@@ -41,6 +41,7 @@ class RequestStatus(TypedDict):
     id: str
     status: Status
     replica: str | None  # running or completed: where
+    phase: str | None  # running: records.Phase, where it is (None until its first report)
     step: int | None  # running: the denoising step last reported
     total_steps: int | None
     result: Result | None  # completed
@@ -67,8 +68,8 @@ def generate_one(request: dict, *, timeout: float, output: Path | None, err: Con
                     sent.append(f.outcome.task_id)
                     err.print(f"request {f.outcome.task_id} sent", highlight=False)
                 where = f" on {f.replica}" if f.replica else ""
-                bar.update(steps, description=f"{f.state.lower()}{where}", completed=f.step,
-                           total=f.total_steps or None)
+                bar.update(steps, description=f"{(f.phase or f.state).lower().replace('_', ' ')}{where}",
+                           completed=f.step, total=f.total_steps or None)
 
         try:
             with closing(run_requests([request], timeout=timeout, on_update=on_update)) as outcomes:
@@ -118,8 +119,8 @@ def status_of(task_id: str) -> RequestStatus:
     check_redis()
     meta = app.backend.get_task_meta(task_id)
     state, info = meta["status"], meta.get("result")
-    view = RequestStatus(id=task_id, status=Status.UNKNOWN, replica=None, step=None, total_steps=None, result=None,
-                         error=None)
+    view = RequestStatus(id=task_id, status=Status.UNKNOWN, replica=None, phase=None, step=None, total_steps=None,
+                         result=None, error=None)
     if state == RequestState.SUCCESS:
         view.update(status=Status.COMPLETED, replica=info["replica"], result=info)
     elif state in READY:
@@ -127,8 +128,8 @@ def status_of(task_id: str) -> RequestStatus:
     elif state != RequestState.PENDING:  # STARTED, PROGRESS (a Progress), RETRY
         view["status"] = Status.RUNNING
         if isinstance(info, dict):
-            view.update(replica=info.get("replica") or info.get("hostname"), step=info.get("step"),
-                        total_steps=info.get("total_steps"))
+            view.update(replica=info.get("replica") or info.get("hostname"), phase=info.get("phase"),
+                        step=info.get("step"), total_steps=info.get("total_steps"))
     elif _waiting(task_id):
         view["status"] = Status.QUEUED
     return view
@@ -151,6 +152,8 @@ def describe(view: RequestStatus) -> str:
         return f"{rid}: failed: {view['error']}"
     if status == Status.RUNNING:
         step = f", step {view['step']}/{view['total_steps']}" if view["total_steps"] else ""
+        if view["phase"] not in (None, Phase.DENOISING):
+            step = f", {view['phase']}"  # past its last step: decoding, encoding, storing
         return f"{rid}: running on {view['replica'] or '?'}{step}"
     if status == Status.QUEUED:
         return f"{rid}: queued"

@@ -9,6 +9,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from replicadp_tasks.records import Phase
+
 from .api import ClientError, InFlight, live_replicas
 
 # Piped output (logs, CI, tests) is not wrapped at 80 columns.
@@ -21,10 +23,17 @@ def progress_bar() -> Progress:
                     TextColumn("{task.fields[flight]}"), console=console, transient=True)
 
 
+def phase_text(f: InFlight) -> str:
+    """Where a request in flight is: `step/steps` while it denoises, else its phase (decoding, ...) or state."""
+    if f.phase in (None, Phase.DENOISING) and f.total_steps:
+        return f"{f.step}/{f.total_steps}"
+    return (f.phase or f.state).lower().replace("_", " ")
+
+
 def flight_text(in_flight: list[InFlight]) -> str:
-    """`[replica step/steps]` for up to four running requests."""
+    """`[replica step/steps]`, or `[replica decoding]` past its last step, for up to four running requests."""
     running = [f for f in in_flight if f.total_steps]
-    return " ".join(f"[{f.replica or '?'} {f.step}/{f.total_steps}]" for f in running[:4])
+    return " ".join(f"[{f.replica or '?'} {phase_text(f)}]" for f in running[:4])
 
 
 def wait_for_replicas(timeout: float) -> list[str]:

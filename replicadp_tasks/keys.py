@@ -60,6 +60,7 @@ FAIR_KEY = "replicadp:fair:"  # + list name: hash, user -> last fair tag, and ~h
 # --- written by the HTTP gateways (shared by all of them) -------------------------------------------------
 JOBS_KEY = "replicadp:http:jobs"  # sorted set: job id -> creation time; + ":" + API key owner: that key's jobs
 JOB_KEY = "replicadp:http:job:"  # + job id: the job's request as created (JSON), kept REPLICADP_RESULT_TTL
+POSTER_KEY = "replicadp:http:poster:"  # + job id: its video's first frame, a small JPEG (made on first ask)
 ADMITTING_KEY = "replicadp:http:admitting:"  # + queue: sorted set, task id -> admission time (client/http)
 
 # --- written by `replicadp health` ------------------------------------------------------------------------

@@ -41,21 +41,25 @@ PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 # compute of a model whose weights cannot be downloaded here.
 RANDOM_PREFIX = "random:"
 COMPILE_MODES = ("none", "blocks", "full")
-# `synthetic:SECONDS` is a benchmark-only backend: SECONDS per request of the reference size, scaled by work.
+# `synthetic:SECONDS` is a benchmark-only backend: SECONDS per request of the reference size, scaled by work;
+# `synthetic:SECONDS:DECODE` then spends DECODE seconds after its last step, as a real pipeline decodes its latents.
 SYNTHETIC_PREFIX = "synthetic:"
 
 
-def synthetic_seconds(spec: str) -> float | None:
-    """SECONDS of a `synthetic:SECONDS` spec, or None for a real model."""
+def synthetic_seconds(spec: str) -> tuple[float, float] | None:
+    """(SECONDS, DECODE) of a `synthetic:SECONDS[:DECODE]` spec (DECODE 0 when left out), or None for a real
+    model."""
     if not spec.startswith(SYNTHETIC_PREFIX):
         return None
+    parts = spec[len(SYNTHETIC_PREFIX):].split(":")
     try:
-        seconds = float(spec[len(SYNTHETIC_PREFIX):])
+        seconds = [float(p) for p in parts] + [0.0] * (2 - len(parts))
     except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < 86400:
-        raise ModelLoadError(f"REPLICADP_MODEL={spec!r}: expected synthetic:SECONDS with 0 <= SECONDS < 86400")
-    return seconds
+        seconds = [-1.0]
+    if len(seconds) != 2 or not all(0 <= s < 86400 for s in seconds):
+        raise ModelLoadError(f"REPLICADP_MODEL={spec!r}: expected synthetic:SECONDS or synthetic:SECONDS:DECODE "
+                             "with 0 <= each < 86400")
+    return seconds[0], seconds[1]
 
 
 def resolve_model(spec: str, model_cache: Path) -> str:
@@ -134,7 +138,8 @@ class PipelineHolder:
         self._i2v = None
         self.device = "cpu"
         self.devices: list[str] = ["cpu"]
-        self.synthetic_s = synthetic_seconds(spec)
+        synthetic = synthetic_seconds(spec)
+        self.synthetic_s, self.synthetic_decode_s = synthetic or (None, 0.0)
         self.last_run: RunStats | None = None
 
     @classmethod
@@ -584,8 +589,8 @@ class PipelineHolder:
                 pass
 
     def _synthetic(self, req: GenerateRequest, image, on_step) -> np.ndarray:
-        """Benchmark-only: sleep the request's share of SECONDS step by step (so 8 replicas fit on 2 cores),
-        then return frames that are a function of the inputs alone: one flat colour per frame, cheap to encode."""
+        """Benchmark-only: sleep the request's share of SECONDS step by step (so 8 replicas fit on 2 cores), and
+        DECODE after the last step, then return frames that are a function of the inputs alone: one flat colour per frame, cheap to encode."""
         work = req.height * req.width * req.num_frames * req.num_inference_steps
         duration = self.synthetic_s * work / REFERENCE_WORK
         start = time.monotonic()
@@ -594,6 +599,7 @@ class PipelineHolder:
             time.sleep(max(0.0, start + duration * step / req.num_inference_steps - time.monotonic()))
             if on_step is not None:
                 on_step(step, req.num_inference_steps)
+        time.sleep(self.synthetic_decode_s)
         seed = hashlib.sha256(json.dumps(req.params(), sort_keys=True).encode())  # not request_id
         if image is not None:
             seed.update(image.tobytes())

@@ -21,9 +21,22 @@ class RequestState(StrEnum):
 READY = frozenset({RequestState.SUCCESS, RequestState.FAILURE, RequestState.REVOKED})  # states that do not change
 
 
-class Progress(TypedDict):
-    """A running request's report, at most every PROGRESS_EVERY_S (tasks.py)."""
+class Phase(StrEnum):
+    """Where a running request is, as its replica reports it (Progress). Before the first report it is taking its
+    inputs (validation, the first frame's download): Celery's STARTED."""
 
+    LOADING_INPUTS = "loading_inputs"
+    DENOISING = "denoising"  # at a step of total_steps
+    DECODING = "decoding"  # the VAE turns the latents into frames (after the last step; seconds on a GPU)
+    ENCODING = "encoding"  # frames to the MP4
+    STORING = "storing"  # the MP4 and its Result to the output store
+
+
+class Progress(TypedDict):
+    """A running request's report: at each change of phase, and at most every PROGRESS_EVERY_S between (tasks.py)."""
+
+    phase: Phase
+    phase_started_at: float  # unix time, the replica's clock
     step: int
     total_steps: int
     replica: str

@@ -21,15 +21,16 @@ from .images import load_first_frame
 from .keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
 from .lease import FenceAnswer, FenceState
 from .pipeline import describe_device
-from .records import Progress, RequestState, Result
+from .records import Phase, Progress, RequestState, Result
 from .settings import SETTINGS
 from .validate import GenerateRequest, input_key, validate_request
 from .video import encode_mp4, frames_sha256
 from .webhooks import Event, Webhook, check_webhook, emit
 
 log = logging.getLogger("replicadp")
-# PROGRESS at most this often (the first step always): each is a read and a write of the result key, ~2 ms on a
-# small machine, and a GPU step takes ~0.2 s; a person, `status` and `health` need no more than this.
+# PROGRESS within a phase at most this often (the first step and each change of phase always): each is a write of
+# the result key, ~2 ms on a small machine, and a GPU step takes ~0.2 s; a person, `status` and `health` need no
+# more than this.
 PROGRESS_EVERY_S = 0.5
 EXIT_FENCED_OUT = 75  # the exit status of a pool child whose delivery lost its fence (EX_TEMPFAIL)
 EXIT_GROUP_LOST = 76  # ... whose multi-process group broke (parallel.GroupLost): its request is requeued
@@ -94,7 +95,11 @@ class Delivery:
     token: FenceToken
     started: float
     webhook: Webhook | None  # where its events go (webhooks.py)
-    reported: float = 0.0  # when Progress was last written
+    reported: float = 0.0  # when Progress was last written (monotonic)
+    phase: Phase | None = None  # the phase last reported, since phase_started_at (unix time)
+    phase_started_at: float = 0.0
+    step: int = 0  # the denoising step last reached, of total_steps
+    total_steps: int = 0
 
     @classmethod
     def of(cls, task, kwargs: dict, started: float) -> "Delivery":
@@ -168,12 +173,22 @@ class Delivery:
         if answer.state == FenceState.CANCELLED:
             raise RequestCancelled(f"request {self.task.request.id} was cancelled at step {step} of {total}")
         self.still_ours(answer)
-        if time.monotonic() - self.reported >= PROGRESS_EVERY_S:
-            self.reported = time.monotonic()
-            self.task.update_state(state=RequestState.PROGRESS, meta=Progress(
-                step=step, total_steps=total, replica=self.token.replica, request_id=self.request_id,
-                pid=self.token.pid))
+        self.step, self.total_steps = step, total
+        last = step == total  # the pipeline decodes next
+        if last or time.monotonic() - self.reported >= PROGRESS_EVERY_S:
+            self.report(Phase.DECODING if last else Phase.DENOISING)
             self.tell(Event.PROGRESS, step=step, total_steps=total)
+
+    def report(self, phase: Phase) -> None:
+        """Write this request's Progress (its result record, which its job, `status` and the CLI read): `phase`,
+        since when, and the step."""
+        now = time.time()
+        if phase != self.phase:
+            self.phase, self.phase_started_at = phase, now
+        self.reported = time.monotonic()
+        self.task.update_state(state=RequestState.PROGRESS, meta=Progress(
+            phase=phase, phase_started_at=self.phase_started_at, step=self.step, total_steps=self.total_steps,
+            replica=self.token.replica, request_id=self.request_id, pid=self.token.pid))
 
     def tell(self, event: Event, **fields) -> None:
         """Queue a webhook event of this request, if it asks for it: a Redis write, never a wait on the receiver
@@ -187,6 +202,7 @@ class Delivery:
         inference_started = time.time()
         frames = pipeline.generate(self.req, self.image, on_step=self.on_step)
         inferred, cost = time.time(), pipeline.last_run
+        self.report(Phase.ENCODING)
         video = encode_mp4(frames, self.req.fps)
         encoded = time.time()
         sent_at = self.task.request.get("replicadp_sent_at")
@@ -208,8 +224,14 @@ class Delivery:
     def store(self, video: bytes, result: Result) -> Result:
         """Store the video and its Result unless another delivery stored first; the stored Result."""
         me = child.current()
-        # Decoding and encoding checked no fence: check it once more before the write.
-        self.still_ours(lease.acquire(me.redis, self.fence, self.token, SETTINGS.lease_s))
+        self.report(Phase.STORING)
+        # Decoding and encoding checked neither fence nor cancel: check both once more before the write.
+        answer = lease.acquire_unless(me.redis, self.fence, self.token, SETTINGS.lease_s,
+                                      CANCEL_KEY + self.task.request.id)
+        if answer.state == FenceState.CANCELLED:
+            raise RequestCancelled(f"request {self.task.request.id} was cancelled after its last step; its video "
+                                   "was not stored")
+        self.still_ours(answer)
 
         def put() -> Result:
             stored = me.store.put(self.request_id, video, result)  # the first to store wins: this one, or another
@@ -217,6 +239,10 @@ class Delivery:
             return stored
         # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
         stored = replication.durable(me.redis, put, f"request {self.request_id}'s result")
+        if me.redis.exists(CANCEL_KEY + self.task.request.id):  # cancelled while it stored: nobody wants it
+            me.store.delete(self.request_id)
+            raise RequestCancelled(f"request {self.task.request.id} was cancelled as its video was stored; the "
+                                   "video was removed")
         if stored["execution"] != result["execution"]:  # another delivery computed it too
             me.redis.hincrby(STATS_KEY, "duplicate_executions", 1)
         return stored

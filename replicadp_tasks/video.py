@@ -92,3 +92,15 @@ def decode_mp4(data: bytes) -> np.ndarray:
 
     with av.open(io.BytesIO(data)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def poster_jpeg(video: bytes, longest: int) -> bytes:
+    """A JPEG of an MP4's first frame, scaled to at most `longest` pixels on its long side (aspect kept)."""
+    import av
+
+    with av.open(io.BytesIO(video)) as container:
+        frame = next(container.decode(video=0)).to_image()
+    frame.thumbnail((longest, longest))
+    out = io.BytesIO()
+    frame.save(out, format="JPEG", quality=80)
+    return out.getvalue()

@@ -20,13 +20,14 @@ from redis.backoff import NoBackoff
 from replicadp_tasks import app as celery_app
 from replicadp_tasks import connection, generate
 from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, REPLICA_KEY
-from replicadp_tasks.records import READY
+from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, POSTER_KEY, REPLICA_KEY
+from replicadp_tasks.records import READY, RequestState
 from replicadp_tasks.scheduling import Priority, check_priority, queue_lists
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.validate import validate_request
+from replicadp_tasks.video import poster_jpeg
 
-from ..api import cancel_request, live_replicas, redis_url
+from ..api import cancel_request, fetch_video, live_replicas, redis_url, remove_video
 from ..ops.status import accepted_by
 from ..results import ResultWatch
 from .admission import Admission
@@ -44,6 +45,27 @@ REDIS_WAIT_S = 20  # a request waits this long for one of them, then 503
 REDIS_RETRIES = 1
 # And an idle connection is PINGed before use when it has been idle this long (s), which replaces a dead one first.
 REDIS_HEALTH_CHECK_S = 5
+# A queued job's position: found among the first this many requests of its priority's list, a scan in Redis
+# (~0.1 ms a hundred) on every poll of the job; past it, the job has no position.
+QUEUE_SCAN = 2000
+# KEYS: the lists of the priorities above a job's, then its own; ARGV: the scan's length, then job ids. Replicas take
+# from a list's right end (BRPOP). A message names its task id in its headers as `"id": "<uuid>"` (kombu's JSON);
+# text a request carries is inside a JSON string there, its quotes escaped, and cannot spell that.
+_QUEUE_POSITIONS = """
+local ahead = 0
+for i = 1, #KEYS - 1 do ahead = ahead + redis.call('LLEN', KEYS[i]) end
+local found = {}
+for j = 2, #ARGV do found[j - 1] = 0 end
+local items = redis.call('LRANGE', KEYS[#KEYS], -tonumber(ARGV[1]), -1)
+for i = #items, 1, -1 do
+  local position = ahead + #items - i + 1
+  for j = 2, #ARGV do
+    if found[j - 1] == 0 and string.find(items[i], '"id": "' .. ARGV[j] .. '"', 1, true) then found[j - 1] = position end
+  end
+end
+return found
+"""
+CANCEL_WATCH_POLL_S = 0.5  # how often a request deleted as it ran is checked until it ends (watch_cancelled)
 CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
 LIVE_CACHE_S = 1.0  # every request asks for the live replicas (a Redis read): at most one read a second
 DISCONNECT_POLL_S = 1.0  # how often a sync request checks whether its client is still there (and the shutdown)
@@ -103,6 +125,7 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replicas = Refreshed(self._read_replicas, LIVE_CACHE_S)
         self._handover_at: float | None = None  # set by `stop`: when waiting sync requests are handed over as jobs
+        self._watches: set[asyncio.Task] = set()  # watch_cancelled's
 
     def start(self) -> None:
         """On the event loop, which the result watch's thread hands final states over to."""
@@ -116,6 +139,8 @@ class Gateway:
             self._handover_at = time.monotonic() + grace
 
     async def close(self) -> None:
+        for task in self._watches:
+            task.cancel()
         await asyncio.to_thread(self.results.close)
         await self.redis.aclose()
 
@@ -140,6 +165,19 @@ class Gateway:
         for key in queue_lists(SETTINGS.queue):
             pipe.llen(key)
         return dict(zip(Priority, await pipe.execute()))
+
+    async def queue_positions(self, jobs: list[dict]) -> dict[str, int]:
+        """Where each of `jobs` (records) waits: 1 for the next request a replica takes, counting every request
+        queued at a higher priority; a job not found among the first QUEUE_SCAN of its priority's list (taken
+        already, or further back) is left out."""
+        positions = {}
+        lists = queue_lists(SETTINGS.queue)
+        for index, priority in enumerate(Priority):
+            ids = [j["id"] for j in jobs if j.get("priority", Priority.NORMAL) == priority]
+            if ids:
+                found = await self.redis.eval(_QUEUE_POSITIONS, index + 1, *lists[:index + 1], QUEUE_SCAN, *ids)
+                positions.update({i: p for i, p in zip(ids, found) if p})
+        return positions
 
     async def queue_depth(self) -> int:
         """Requests waiting, every priority."""
@@ -179,7 +217,7 @@ class Gateway:
         # OpenAI's and vllm-omni's `seconds` is whole seconds; num_frames and fps say the exact length.
         seconds = form.seconds if form.seconds is not None else max(1, round(req.num_frames / req.fps))
         job = {"model": form.model or served[0], "prompt": req.prompt, "size": f"{req.width}x{req.height}",
-               "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps}
+               "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps, "priority": asked.value}
         return Admitted(task_id, kwargs, job)
 
     def _publish(self, admitted: Admitted) -> None:
@@ -258,9 +296,50 @@ class Gateway:
             await pipe.execute()
         return record
 
+    async def mark_cancelled(self, record: dict) -> dict:
+        """Keep a job deleted while queued or running readable until its request ends (job_view: `cancelling`,
+        then cancelled), and no longer listed; returns its record as marked."""
+        marked = {**record, "cancelled_at": time.time()}
+        async with self.redis.pipeline() as pipe:
+            pipe.set(JOB_KEY + record["id"], json.dumps(marked), ex=SETTINGS.result_ttl_s)
+            for key in {JOBS_KEY, jobs_of(record.get("owner"))}:
+                pipe.zrem(key, record["id"])
+            await pipe.execute()
+        return marked
+
+    def watch_cancelled(self, video_id: str) -> None:
+        """Watch a running request deleted: if it stores its video all the same (the cancel came as it stored),
+        remove it once its result says so. The replica checks for a cancel before and after it stores; this
+        covers a cancel that came between its check and its result."""
+        task = asyncio.create_task(self._remove_if_stored(video_id))
+        self._watches.add(task)
+        task.add_done_callback(self._watches.discard)
+
+    async def _remove_if_stored(self, video_id: str) -> None:
+        key = celery_app.backend.get_key_for_task(video_id)
+        deadline = time.monotonic() + SETTINGS.time_limit_s  # a request ends by its hard time limit
+        while time.monotonic() < deadline:
+            raw = await self.redis.get(key)
+            meta = celery_app.backend.decode_result(raw) if raw else None
+            if meta and meta["status"] in READY:
+                if meta["status"] == RequestState.SUCCESS:
+                    await asyncio.to_thread(remove_video, meta["result"])
+                return
+            await asyncio.sleep(CANCEL_WATCH_POLL_S)
+
+    async def poster(self, video_id: str, result: dict, longest: int) -> bytes:
+        """The JPEG of a completed job's first frame (video.poster_jpeg), made once and kept with the job."""
+        kept = await self.redis.get(POSTER_KEY + video_id)
+        if kept is not None:
+            return kept
+        video = await asyncio.to_thread(fetch_video, result)
+        poster = await asyncio.to_thread(poster_jpeg, video, longest)
+        await self.redis.set(POSTER_KEY + video_id, poster, ex=SETTINGS.result_ttl_s)
+        return poster
+
     async def forget(self, record: dict) -> None:
         async with self.redis.pipeline() as pipe:
-            pipe.delete(JOB_KEY + record["id"])
+            pipe.delete(JOB_KEY + record["id"], POSTER_KEY + record["id"])
             for key in {JOBS_KEY, jobs_of(record.get("owner"))}:
                 pipe.zrem(key, record["id"])
             await pipe.execute()

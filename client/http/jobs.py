@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 
 from fastapi.responses import Response
@@ -11,7 +12,7 @@ from replicadp_tasks.records import READY, RequestState, Result
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import with_fresh_url
-from .errors import failure
+from .errors import ErrorCode, failure
 from .schema import VideoError, VideoJob
 
 
@@ -20,34 +21,55 @@ def date_done(meta: dict) -> int | None:
     return int(datetime.fromisoformat(done).timestamp()) if isinstance(done, str) else None
 
 
-def job_view(record: dict, meta: dict | None) -> VideoJob:
+def job_view(record: dict, meta: dict | None, now: float | None = None) -> VideoJob:
     """A job as the API shows it: its request as created, its state from the result backend. A cancelled
     job is `failed` with error code `cancelled`: the four states are what OpenAI's and vllm-omni's clients
-    know."""
-    job = VideoJob(status="queued", progress=0, **record)
+    know; `phase` says more (schema.JobPhase). A job deleted while it ran (its record's `cancelled_at`) is
+    `cancelling` until its request ends, then cancelled, whatever the replica made of it (the gateway removes a
+    video stored meanwhile: routes.delete_video)."""
+    now = time.time() if now is None else now
+    job = VideoJob(status="queued", progress=0, **{k: v for k, v in record.items() if k != "cancelled_at"})
     status = meta["status"] if meta else RequestState.PENDING
     info = meta.get("result") if meta else None
-    if status == RequestState.SUCCESS:
-        job.status, job.progress, job.completed_at = "completed", 100, date_done(meta)
+    ended_at = None
+    if "cancelled_at" in record and status in READY:
+        job.status, job.phase, job.completed_at = "failed", "cancelled", date_done(meta)
+        job.error = VideoError(code=ErrorCode.CANCELLED, message=f"video_id={record['id']!r} was deleted while it "
+                                                                 "was queued or running")
+        ended_at = job.completed_at
+    elif status == RequestState.SUCCESS:
+        job.status, job.phase, job.progress, job.completed_at = "completed", "completed", 100, date_done(meta)
         job.replica, job.inference_time_s = info["replica"], info["timings"]["inference_s"]
         job.stage_durations, job.peak_memory_mb = stage_durations(info), peak_memory_mb(info)
         job.params, job.frames_sha256, job.video_sha256 = info.get("params"), info.get("frames_sha256"), info.get(
             "video_sha256")
         job.seed = job.params.get("seed") if job.params else None
+        steps = (job.params or {}).get("num_inference_steps")
+        job.step, job.total_steps = steps, steps
         signed = with_fresh_url(info)
         job.video_url, job.video_url_expires_at = signed.get("video_url"), signed.get("video_url_expires_at")
         if SETTINGS.store_ttl_s and job.completed_at is not None:
             job.expires_at = job.completed_at + SETTINGS.store_ttl_s
+        ended_at = job.completed_at
     elif status in READY:
         error = failure(meta)
         job.status, job.completed_at = "failed", date_done(meta)
+        job.phase = "cancelled" if error.code == ErrorCode.CANCELLED else "failed"
         job.error = VideoError(code=error.code, message=error.detail)
+        ended_at = job.completed_at
     elif status in (RequestState.STARTED, RequestState.PROGRESS):
-        job.status = "in_progress"
+        job.status, job.phase = "in_progress", "loading_inputs"
         if isinstance(info, dict):
             job.replica = info.get("replica") or info.get("hostname")  # a Progress, or Celery's STARTED meta
+            if info.get("phase"):
+                job.phase = info["phase"]
+                job.phase_elapsed_s = round(max(0.0, now - info["phase_started_at"]), 1)
             if info.get("total_steps"):  # 100 only once the video is stored
+                job.step, job.total_steps = info["step"], info["total_steps"]
                 job.progress = min(99, 100 * info["step"] // info["total_steps"])
+    if "cancelled_at" in record and status not in READY:
+        job.phase, job.phase_elapsed_s = "cancelling", round(max(0.0, now - record["cancelled_at"]), 1)
+    job.elapsed_s = round(max(0.0, (ended_at or now) - job.created_at), 1)
     return job
 
 

@@ -21,8 +21,11 @@ from .gateway import Gateway
 from .jobs import job_view, video_response
 from .schema import (ERRORS, Health, JobOrder, ModelCard, ModelList, ModelReplica, VideoDeleted, VideoJob,
                      VideoList)
+from .waits import capacity, expected_start_s, recents, snapshots
 
 router = APIRouter()
+KEEP = "private, max-age=31536000, immutable"  # a job's video and poster never change: a browser keeps them
+POSTER_PX = 320  # a poster's long side: a gallery's thumbnail, ~10 kB
 
 
 def gateway(request: Request) -> Gateway:
@@ -70,27 +73,45 @@ async def create_video(form: VideoFormDep, gw: GatewayDep, key: PolicyDep):
     return job_view(record, None)
 
 
+async def shown(request: Request, gw: Gateway, found: list[tuple[dict, dict | None]]) -> list[VideoJob]:
+    """The job objects of (record, result meta) pairs, a queued one with its place in the queue and its expected
+    start (waits.py); a job deleted while it ran whose video was stored meanwhile has it removed."""
+    jobs = [job_view(record, meta) for record, meta in found]
+    queued = [record for (record, _), job in zip(found, jobs) if job.phase == "queued"]
+    if queued:
+        positions = await gw.queue_positions(queued)
+        cap = capacity(await snapshots(request).get())
+        mean = (await recents(request).get()).mean_request_s
+        for job in jobs:
+            if job.id in positions:
+                job.queue_position = positions[job.id]
+                job.expected_start_s = expected_start_s(job.queue_position - 1, cap, mean)
+    for record, meta in found:
+        if "cancelled_at" in record and meta and meta["status"] == RequestState.SUCCESS:
+            await asyncio.to_thread(remove_video, meta["result"])  # what the gateway's watch may have missed
+    return jobs
+
+
 @router.get("/v1/videos", response_model=VideoList, responses=ERRORS)
-async def list_videos(gw: GatewayDep, who: OwnerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                      after: str | None = None, order: JobOrder = "desc"):
+async def list_videos(request: Request, gw: GatewayDep, who: OwnerDep,
+                      limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
+                      order: JobOrder = "desc"):
     """Jobs created through any gateway of this Redis (with API keys: with this key), newest first (order=asc:
     oldest first)."""
     ids = await gw.job_ids(limit, after, order, who)
-    jobs = [job_view(record, meta) for record, meta in await gw.job_records(ids[:limit])]
+    jobs = await shown(request, gw, await gw.job_records(ids[:limit]))
     return VideoList(data=jobs, first_id=jobs[0].id if jobs else None, last_id=jobs[-1].id if jobs else None,
                      has_more=len(ids) > limit)
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=ERRORS)
-async def get_video(video_id: str, gw: GatewayDep, who: OwnerDep):
-    """One job: status, progress (0-100, from the denoising step), error."""
-    return job_view(*await gw.job(video_id, who))
+async def get_video(request: Request, video_id: str, gw: GatewayDep, who: OwnerDep):
+    """One job: status, phase, progress (0-100, from the denoising step), its place in the queue, error."""
+    return (await shown(request, gw, [await gw.job(video_id, who)]))[0]
 
 
-@router.get("/v1/videos/{video_id}/content", response_class=Response, responses={
-    200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."}, **ERRORS})
-async def get_video_content(video_id: str, gw: GatewayDep, who: OwnerDep):
-    """The MP4 of a completed job, the same bytes a sync request for the same input answers."""
+async def completed(gw: Gateway, video_id: str, who: str | None) -> dict:
+    """The result meta of a completed job; 409 (its error, or poll until it completes) for any other."""
     record, meta = await gw.job(video_id, who)
     job = job_view(record, meta)
     if job.status == "failed":
@@ -100,19 +121,48 @@ async def get_video_content(video_id: str, gw: GatewayDep, who: OwnerDep):
         raise GatewayError(409, f"video_id={video_id!r}: the job is {job.status}, not completed; poll GET "
                                 f"/v1/videos/{video_id} until it is", code=ErrorCode.NOT_COMPLETED,
                            param="video_id", headers={"Retry-After": "1"})
-    return video_response(meta["result"], await asyncio.to_thread(fetch_video, meta["result"]))
+    return meta
+
+
+@router.get("/v1/videos/{video_id}/content", response_class=Response, responses={
+    200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."}, **ERRORS})
+async def get_video_content(video_id: str, gw: GatewayDep, who: OwnerDep):
+    """The MP4 of a completed job, the same bytes a sync request for the same input answers; a browser may keep
+    it (a job's video never changes)."""
+    result = (await completed(gw, video_id, who))["result"]
+    response = video_response(result, await asyncio.to_thread(fetch_video, result))
+    response.headers.update({"Cache-Control": KEEP, "ETag": f'"{result["video_sha256"]}"'})
+    return response
+
+
+@router.get("/v1/videos/{video_id}/poster", response_class=Response, responses={
+    200: {"content": {"image/jpeg": {}}, "description": "The first frame of a completed job's video."}, **ERRORS})
+async def get_video_poster(video_id: str, gw: GatewayDep, who: OwnerDep):
+    """The first frame of a completed job's video, a JPEG at most POSTER_PX on its long side: what a gallery
+    shows before the MP4 is played. Made from the MP4 on the first ask and kept as long as the job."""
+    result = (await completed(gw, video_id, who))["result"]
+    return Response(await gw.poster(video_id, result, POSTER_PX), media_type="image/jpeg",
+                    headers={"Cache-Control": KEEP, "ETag": f'"{result["video_sha256"]}-poster"'})
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
 async def delete_video(video_id: str, gw: GatewayDep, who: OwnerDep):
-    """Cancel the job if it is queued (it never runs) or running (it stops at its next denoising step), and
-    forget it. A completed job's video and metadata are removed from the output store first (its request_id is
-    the job id: the gateway passes none of its own), so that a store that fails (502) leaves a job to delete again."""
+    """Delete a job. A queued one is forgotten and never runs. A running one stops at its next denoising step, or,
+    past its last, is not stored (or is removed once stored: the replica checks for the cancel as it stores, and
+    the gateway watches the request until it ends); it is no longer listed, and GET /v1/videos/{id} shows it
+    `cancelling` until its replica stops, then cancelled. A completed job's video and metadata are removed from
+    the output store first (its request_id is the job id: the gateway passes none of its own), so that a store
+    that fails (502) leaves a job to delete again."""
     record, meta = await gw.job(video_id, who)
-    status = job_view(record, meta).status
-    if status in ("queued", "in_progress"):
+    job = job_view(record, meta)
+    if job.status in ("queued", "in_progress"):
         await asyncio.to_thread(cancel_request, video_id)
-    elif status == "completed":
+    if job.status == "in_progress":
+        if "cancelled_at" not in record:
+            await gw.mark_cancelled(record)
+            gw.watch_cancelled(video_id)
+        return VideoDeleted(id=video_id, deleted=True)
+    if job.status == "completed":
         await asyncio.to_thread(remove_video, meta["result"])
     await gw.forget(record)
     return VideoDeleted(id=video_id, deleted=True)

@@ -12,6 +12,12 @@ class VideoError(BaseModel):
     message: str
 
 
+# Where a job is, finer than its status: queued, a running request's phase (records.Phase), cancelling (deleted
+# while it runs, until its replica stops), or how it ended.
+JobPhase = Literal["queued", "loading_inputs", "denoising", "decoding", "encoding", "storing", "cancelling",
+                   "completed", "failed", "cancelled"]
+
+
 class VideoJob(BaseModel):
     """OpenAI's and vllm-omni's video job object, plus what the replica reported."""
 
@@ -27,6 +33,14 @@ class VideoJob(BaseModel):
     num_frames: int
     fps: int
     prompt: str
+    priority: str = "normal"  # what it waits behind (scheduling.Priority)
+    phase: JobPhase = "queued"
+    step: int | None = None  # the denoising step reached, of total_steps (the record `progress` comes from)
+    total_steps: int | None = None
+    elapsed_s: float | None = None  # seconds since created_at, until it ended
+    phase_elapsed_s: float | None = None  # seconds in its phase so far; None: unknown
+    queue_position: int | None = None  # queued: 1 = the next request a replica takes (higher priorities counted)
+    expected_start_s: float | None = None  # queued: seconds until it starts, estimated (docs/ui.md); None: unknown
     expires_at: int | None = None  # when the store's retention (REPLICADP_STORE_TTL) removes the video
     error: VideoError | None = None
     replica: str | None = None
@@ -92,6 +106,8 @@ class RunningRequest(BaseModel):
     id: str | None  # the job id (a gateway job's request_id is its id); None: not the caller's (only busy)
     step: int | None  # None until its first denoising step
     total_steps: int | None
+    prompt: str | None = None  # the caller's own request only
+    phase: JobPhase | None = None  # the caller's own request only: as its job says
 
 
 class ReplicaStatus(BaseModel):
@@ -115,6 +131,11 @@ class ClusterStatus(BaseModel):
     mean_request_s: float | None  # the mean replica time of recent completed jobs; None: none completed lately
     # per priority: seconds until a request queued now at it starts (docs/ui.md); None: unknown
     expected_wait_s: dict[str, float | None]
+    # what a request leaves out gets: size, num_frames, num_inference_steps, guidance_scale, fps
+    defaults: dict[str, str | int | float] = {}
+    # the mean replica seconds per megapixel-frame-step (width x height x num_frames / 1e6 x steps) of the same
+    # recent jobs: what a request of a given size will take; None: none completed lately
+    s_per_megapixel_frame_step: float | None = None
 
 
 class ErrorDetail(BaseModel):

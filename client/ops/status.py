@@ -16,6 +16,7 @@ from rich.table import Table
 from replicadp_tasks import app, connection
 from replicadp_tasks.heartbeat import read
 from replicadp_tasks.keys import COMPLETED_KEY, REPLICA_KEY
+from replicadp_tasks.records import Phase
 from replicadp_tasks.scheduling import Priority, next_request
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.step_cache import Quality
@@ -112,7 +113,7 @@ def snapshot() -> dict:
             "parallel": info[name].get("parallel"),
             "loras": [a["name"] for a in info[name].get("loras") or []],
             "request_id": progress.get("request_id") or (running or {}).get("task_id"),
-            "step": progress.get("step"), "total_steps": progress.get("total_steps"),
+            "phase": progress.get("phase"), "step": progress.get("step"), "total_steps": progress.get("total_steps"),
             "running_s": time.time() - running["started_at"] if running else None,
         })
     now = time.time()
@@ -139,6 +140,8 @@ def table(snap: dict) -> Table:
     for r in snap["replicas"]:
         total = r["total_steps"]
         step = f"{r['step']}/{total}" if total else ("starting" if r["request_id"] else "idle")
+        if r["phase"] not in (None, Phase.DENOISING):
+            step = r["phase"]  # past the last step: decoding, encoding, storing
         bar = ProgressBar(total=total, completed=r["step"] or 0, width=24) if total else ""
         running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
         ways = [f"offload {r['offload']}" if r["offload"] not in (None, "none") else "",

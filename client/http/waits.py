@@ -1,0 +1,104 @@
+"""How long a request will wait and take, for the web page (docs/ui.md): the cluster's snapshot, the recent cost
+of a request, and the expected start of a request queued now (`/v1/status`) or of a queued job (its job object)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from replicadp_tasks.keys import JOBS_KEY
+from replicadp_tasks.records import RequestState
+from replicadp_tasks.scheduling import Priority
+
+from ..ops.status import snapshot
+from .gateway import Gateway, Refreshed
+
+SNAPSHOT_CACHE_S = 1.0  # pages poll every second: they share one snapshot (a few Redis reads) at a time
+RECENT_CACHE_S = 5.0  # the recent cost changes as requests complete: reading 40 jobs once in this is enough
+MEAN_OVER_JOBS = 20  # the recent cost: over this many of the latest jobs that completed
+
+
+@dataclass(frozen=True)
+class Recent:
+    """What the latest completed jobs took on their replica (the Result's timings.total_s)."""
+
+    mean_request_s: float | None  # None: none completed lately
+    s_per_megapixel_frame_step: float | None  # per width x height x num_frames / 1e6 x steps
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the serving replicas can take, from a snapshot."""
+
+    serving: int
+    idle: int  # serving and running nothing
+    left: float  # what the running requests have left, in requests (1 - step / total_steps each)
+
+
+def _shared(request: Request, name: str, read, max_age: float) -> Refreshed:
+    state = request.app.state
+    if not hasattr(state, name):
+        setattr(state, name, Refreshed(read, max_age))
+    return getattr(state, name)
+
+
+def snapshots(request: Request) -> Refreshed:
+    """`replicadp status`'s snapshot (client/ops/status.py), taken in a thread and shared by every polling page
+    while SNAPSHOT_CACHE_S fresh: any number of pages cost one snapshot at a time."""
+    return _shared(request, "snapshots", lambda: asyncio.to_thread(snapshot), SNAPSHOT_CACHE_S)
+
+
+def recents(request: Request) -> Refreshed:
+    """The Recent cost, shared like the snapshot while RECENT_CACHE_S fresh."""
+    gw = request.app.state.gateway
+    return _shared(request, "recents", lambda: recent(gw), RECENT_CACHE_S)
+
+
+async def recent(gw: Gateway) -> Recent:
+    """The Recent cost over the latest MEAN_OVER_JOBS completed jobs among the latest jobs of every gateway on
+    this Redis."""
+    ids = [i.decode() for i in await gw.redis.zrevrange(JOBS_KEY, 0, 2 * MEAN_OVER_JOBS - 1)]
+    done = [(record, meta["result"]) for record, meta in await gw.job_records(ids)
+            if meta and meta["status"] == RequestState.SUCCESS][:MEAN_OVER_JOBS]
+    if not done:
+        return Recent(None, None)
+    rates = []
+    for _, result in done:
+        p = result.get("params") or {}
+        units = p.get("width", 0) * p.get("height", 0) * p.get("num_frames", 0) / 1e6 * p.get("num_inference_steps", 0)
+        if units > 0:
+            rates.append(result["timings"]["total_s"] / units)
+    return Recent(sum(r["timings"]["total_s"] for _, r in done) / len(done),
+                  sum(rates) / len(rates) if rates else None)
+
+
+def capacity(snap: dict) -> Capacity:
+    serving = [r for r in snap["replicas"] if r["serving"]]
+    return Capacity(serving=len(serving), idle=sum(not r["request_id"] for r in serving),
+                    left=sum(1 - (r["step"] or 0) / r["total_steps"] if r["total_steps"] else 1
+                             for r in serving if r["request_id"]))
+
+
+def expected_start_s(ahead: int, cap: Capacity, mean: float | None) -> float | None:
+    """Seconds until a queued request with `ahead` requests before it starts: 0 while a serving replica would be
+    idle for it; else the work ahead of it (those requests, plus what the running ones have left) in units of
+    `mean`, shared by the serving replicas. None when unknown: no serving replica, or no mean."""
+    if not cap.serving:
+        return None
+    if ahead < cap.idle:
+        return 0.0
+    if mean is None:
+        return None
+    return round((ahead - cap.idle + cap.left) * mean / cap.serving, 1)
+
+
+def expected_wait_s(cap: Capacity, queued: dict[Priority, int], mean: float | None) -> dict[str, float | None]:
+    """Per priority, expected_start_s of a request queued now at it: it waits behind the requests queued at its
+    priority and above."""
+    waits, ahead = {}, 0
+    for priority, n in queued.items():  # highest first
+        ahead += n
+        waits[str(priority)] = expected_start_s(ahead, cap, mean)
+    return waits
