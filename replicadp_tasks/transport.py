@@ -7,7 +7,8 @@ here: recorded as dead with its reason, counted, and failed under its task id wh
 client gets an answer; the replica's main process goes on. The check sits on the BRPOP reply (redis-py's
 response callback of the channel's client), the one place that holds the raw bytes of every message the worker
 consumes; a refusal reads as an empty poll to kombu. And a message popped whose delivery record cannot be
-written is kept to be put back (QoS), not lost.
+written is kept to be put back (QoS), not lost; one whose acknowledgement Redis refuses still frees its prefetch
+slot (QoS), so that the consumer goes on.
 """
 
 from __future__ import annotations
