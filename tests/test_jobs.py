@@ -18,6 +18,7 @@ from test_cli import cli
 from test_http import LONG, SMALL, form_of, gateway, job_once, post, result_meta, slow  # noqa: F401 (fixtures)
 
 from client.api import InFlight
+from client.http.waits import cost_model
 from client.progress import flight_text
 from replicadp_tasks.keys import POSTER_KEY
 from replicadp_tasks.records import Phase, RequestState
@@ -180,3 +181,16 @@ def test_the_progress_line_shows_the_phase_past_the_last_step():
     flying = [InFlight(None, RequestState.PROGRESS, Phase.DENOISING, 3, 30, "r0"),
               InFlight(None, RequestState.PROGRESS, Phase.DECODING, 30, 30, "r1")]
     assert flight_text(flying) == "[r0 3/30] [r1 decoding]"
+
+
+def test_the_cost_of_a_request_is_fitted_to_recent_jobs_of_several_sizes():
+    """The page's estimate (waits.cost_model): a fixed part and a part per megapixel-frame-step, fitted to recent
+    jobs; through the origin when they are all of one size; never a negative part."""
+    fitted = cost_model([(50, 7.0), (100, 12.0), (400, 42.0)])
+    assert fitted.fixed_s == pytest.approx(2.0, abs=0.01) and fitted.per_unit_s == pytest.approx(0.1, abs=1e-3)
+    assert (fitted.min_units, fitted.max_units) == (50, 400)
+    one_size = cost_model([(395, 40.0), (395, 42.0)])
+    assert one_size.fixed_s == 0 and one_size.per_unit_s == pytest.approx(41 / 395)
+    noisy = cost_model([(1, 3.0), (4, 2.0)])  # bigger yet faster: no slope to trust
+    assert (noisy.fixed_s, noisy.per_unit_s) == (2.5, 0.0)
+    assert cost_model([]) is None

@@ -287,7 +287,7 @@ class Gateway:
         """Record an admitted request as a job of `owner` (its API key's id, None without keys), before it is sent
         (a GET right after the POST finds it), or a sync request handed over at shutdown; returns the job record."""
         now = admitted.admitted_at
-        record = {"id": admitted.task_id, "created_at": int(now), **admitted.job, "owner": owner}
+        record = {"id": admitted.task_id, "created_at": int(now), "admitted_at": now, **admitted.job, "owner": owner}
         async with self.redis.pipeline() as pipe:
             pipe.set(JOB_KEY + admitted.task_id, json.dumps(record), ex=SETTINGS.result_ttl_s)
             for key in {JOBS_KEY, jobs_of(owner)}:

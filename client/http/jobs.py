@@ -16,9 +16,15 @@ from .errors import ErrorCode, failure
 from .schema import VideoError, VideoJob
 
 
-def date_done(meta: dict) -> int | None:
+def done_at(meta: dict) -> float | None:
+    """When a request ended (unix seconds), from its result meta."""
     done = meta.get("date_done")
-    return int(datetime.fromisoformat(done).timestamp()) if isinstance(done, str) else None
+    return datetime.fromisoformat(done).timestamp() if isinstance(done, str) else None
+
+
+def date_done(meta: dict) -> int | None:
+    done = done_at(meta)
+    return None if done is None else int(done)
 
 
 def job_view(record: dict, meta: dict | None, now: float | None = None) -> VideoJob:
@@ -28,7 +34,8 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
     `cancelling` until its request ends, then cancelled, whatever the replica made of it (the gateway removes a
     video stored meanwhile: routes.delete_video)."""
     now = time.time() if now is None else now
-    job = VideoJob(status="queued", progress=0, **{k: v for k, v in record.items() if k != "cancelled_at"})
+    job = VideoJob(status="queued", progress=0, **{k: v for k, v in record.items()
+                                                   if k not in ("cancelled_at", "admitted_at")})
     status = meta["status"] if meta else RequestState.PENDING
     info = meta.get("result") if meta else None
     ended_at = None
@@ -36,7 +43,7 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
         job.status, job.phase, job.completed_at = "failed", "cancelled", date_done(meta)
         job.error = VideoError(code=ErrorCode.CANCELLED, message=f"video_id={record['id']!r} was deleted while it "
                                                                  "was queued or running")
-        ended_at = job.completed_at
+        ended_at = done_at(meta)
     elif status == RequestState.SUCCESS:
         job.status, job.phase, job.progress, job.completed_at = "completed", "completed", 100, date_done(meta)
         job.replica, job.inference_time_s = info["replica"], info["timings"]["inference_s"]
@@ -50,13 +57,13 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
         job.video_url, job.video_url_expires_at = signed.get("video_url"), signed.get("video_url_expires_at")
         if SETTINGS.store_ttl_s and job.completed_at is not None:
             job.expires_at = job.completed_at + SETTINGS.store_ttl_s
-        ended_at = job.completed_at
+        ended_at = done_at(meta)
     elif status in READY:
         error = failure(meta)
         job.status, job.completed_at = "failed", date_done(meta)
         job.phase = "cancelled" if error.code == ErrorCode.CANCELLED else "failed"
         job.error = VideoError(code=error.code, message=error.detail)
-        ended_at = job.completed_at
+        ended_at = done_at(meta)
     elif status in (RequestState.STARTED, RequestState.PROGRESS):
         job.status, job.phase = "in_progress", "loading_inputs"
         if isinstance(info, dict):
@@ -69,7 +76,7 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
                 job.progress = min(99, 100 * info["step"] // info["total_steps"])
     if "cancelled_at" in record and status not in READY:
         job.phase, job.phase_elapsed_s = "cancelling", round(max(0.0, now - record["cancelled_at"]), 1)
-    job.elapsed_s = round(max(0.0, (ended_at or now) - job.created_at), 1)
+    job.elapsed_s = round(max(0.0, (ended_at or now) - record.get("admitted_at", job.created_at)), 1)
     return job
 
 

@@ -122,6 +122,17 @@ class ReplicaStatus(BaseModel):
     running: RunningRequest | None
 
 
+class CostModel(BaseModel):
+    """What a request takes on a replica by its size, from recent completed jobs (docs/ui.md): fixed_s +
+    per_unit_s x units, units = width x height x num_frames / 1e6 x num_inference_steps (megapixel-frame-steps);
+    fitted to jobs of min_units to max_units, so a guess far outside that range is no estimate."""
+
+    fixed_s: float
+    per_unit_s: float
+    min_units: float
+    max_units: float
+
+
 class ClusterStatus(BaseModel):
     """GET /v1/status: what the web page shows live (docs/ui.md)."""
 
@@ -133,9 +144,8 @@ class ClusterStatus(BaseModel):
     expected_wait_s: dict[str, float | None]
     # what a request leaves out gets: size, num_frames, num_inference_steps, guidance_scale, fps
     defaults: dict[str, str | int | float] = {}
-    # the mean replica seconds per megapixel-frame-step (width x height x num_frames / 1e6 x steps) of the same
-    # recent jobs: what a request of a given size will take; None: none completed lately
-    s_per_megapixel_frame_step: float | None = None
+    # what a request of a given size takes, from the same recent jobs; None: none completed lately
+    request_cost: CostModel | None = None
 
 
 class ErrorDetail(BaseModel):

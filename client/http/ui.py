@@ -1,5 +1,5 @@
 """The web page (`/ui`, docs/ui.md) and the one route only it needs, `GET /v1/status`: the live replicas, what each
-runs, the queue and the expected wait. The page is static files (HTML, CSS, one JS file, no build step) served
+runs, the queue and the expected wait. The pages are static files (HTML, CSS, JS, an SVG icon; no build step) served
 without a key, as /docs is; everything it shows comes from /v1, with the key the user types in."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ DEFAULTS = {"size": f"{REQUEST_DEFAULTS['width']}x{REQUEST_DEFAULTS['height']}",
 router = APIRouter()
 
 STATIC = files("client.http") / "static"
-ASSETS = {"ui.js": "text/javascript", "ui.css": "text/css"}  # what /ui/{name} serves besides the page
+# What /ui/{name} serves besides the pages (/ui: index.html, /ui/videos/{id}: video.html).
+ASSETS = {"common.js": "text/javascript", "ui.js": "text/javascript", "video.js": "text/javascript",
+          "ui.css": "text/css", "favicon.svg": "image/svg+xml"}
 # The page fetches its videos into blob: URLs (with the key) and never loads anything from another origin.
 PAGE_HEADERS = {"Cache-Control": "no-cache", "Content-Security-Policy": (
     "default-src 'self'; img-src 'self' blob: data:; media-src 'self' blob:; object-src 'none'; "
@@ -49,11 +51,24 @@ async def page():
     return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
 
 
+@router.get("/ui/videos/{video_id}", include_in_schema=False)
+async def video_page(video_id: str):
+    """A video's own page (bookmarkable): static, as /ui is; its script reads the id from the URL and asks /v1
+    for the job, with the key the user gave."""
+    return FileResponse(STATIC / "video.html", media_type="text/html", headers=PAGE_HEADERS)
+
+
 @router.get("/ui/{name}", include_in_schema=False)
 async def asset(name: str):
     if name not in ASSETS:
         raise GatewayError(404, f"name={name!r}: the page has no such file", code=ErrorCode.NOT_FOUND, param="name")
     return FileResponse(STATIC / name, media_type=ASSETS[name], headers=PAGE_HEADERS)
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon():
+    """What a browser asks for without a page's <link rel=icon> (a JSON response, say): the SVG icon, not a 404."""
+    return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml", headers=PAGE_HEADERS)
 
 
 @router.get("/v1/status", response_model=ClusterStatus, responses=ERRORS)
@@ -91,4 +106,4 @@ async def status(request: Request, gw: GatewayDep, owner: OwnerDep):
     return ClusterStatus(replicas=replicas, queue_depth=sum(queued.values()),
                          queue_by_priority={str(p): n for p, n in queued.items()}, mean_request_s=cost.mean_request_s,
                          expected_wait_s=expected_wait_s(capacity(snap), queued, cost.mean_request_s),
-                         defaults=DEFAULTS, s_per_megapixel_frame_step=cost.s_per_megapixel_frame_step)
+                         defaults=DEFAULTS, request_cost=cost.cost)

@@ -14,6 +14,7 @@ from replicadp_tasks.scheduling import Priority
 
 from ..ops.status import snapshot
 from .gateway import Gateway, Refreshed
+from .schema import CostModel
 
 SNAPSHOT_CACHE_S = 1.0  # pages poll every second: they share one snapshot (a few Redis reads) at a time
 RECENT_CACHE_S = 5.0  # the recent cost changes as requests complete: reading 40 jobs once in this is enough
@@ -25,7 +26,7 @@ class Recent:
     """What the latest completed jobs took on their replica (the Result's timings.total_s)."""
 
     mean_request_s: float | None  # None: none completed lately
-    s_per_megapixel_frame_step: float | None  # per width x height x num_frames / 1e6 x steps
+    cost: CostModel | None  # what a request of a given size takes; None: none completed lately
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,37 @@ async def recent(gw: Gateway) -> Recent:
     """The Recent cost over the latest MEAN_OVER_JOBS completed jobs among the latest jobs of every gateway on
     this Redis."""
     ids = [i.decode() for i in await gw.redis.zrevrange(JOBS_KEY, 0, 2 * MEAN_OVER_JOBS - 1)]
-    done = [(record, meta["result"]) for record, meta in await gw.job_records(ids)
+    done = [meta["result"] for _, meta in await gw.job_records(ids)
             if meta and meta["status"] == RequestState.SUCCESS][:MEAN_OVER_JOBS]
     if not done:
         return Recent(None, None)
-    rates = []
-    for _, result in done:
-        p = result.get("params") or {}
-        units = p.get("width", 0) * p.get("height", 0) * p.get("num_frames", 0) / 1e6 * p.get("num_inference_steps", 0)
-        if units > 0:
-            rates.append(result["timings"]["total_s"] / units)
-    return Recent(sum(r["timings"]["total_s"] for _, r in done) / len(done),
-                  sum(rates) / len(rates) if rates else None)
+    seen = [(units(r.get("params") or {}), r["timings"]["total_s"]) for r in done]
+    return Recent(sum(t for _, t in seen) / len(seen), cost_model([(u, t) for u, t in seen if u > 0]))
+
+
+def units(params: dict) -> float:
+    """A request's size in megapixel-frame-steps: width x height x num_frames / 1e6 x num_inference_steps."""
+    return (params.get("width", 0) * params.get("height", 0) * params.get("num_frames", 0) / 1e6
+            * params.get("num_inference_steps", 0))
+
+
+def cost_model(seen: list[tuple[float, float]]) -> CostModel | None:
+    """seconds = fixed_s + per_unit_s x units, fitted (least squares) to (units, seconds) of recent jobs; through
+    the origin where they are all of about one size (nothing tells the fixed part from the rest) or the fit
+    gives a negative fixed part; flat where it gives a negative slope."""
+    if not seen:
+        return None
+    us, ts = [u for u, _ in seen], [t for _, t in seen]
+    low, high = min(us), max(us)
+    mean_u, mean_t = sum(us) / len(us), sum(ts) / len(ts)
+    fixed, slope = 0.0, sum(u * t for u, t in seen) / sum(u * u for u in us)
+    if high >= 1.5 * low:
+        fitted = sum((u - mean_u) * (t - mean_t) for u, t in seen) / sum((u - mean_u) ** 2 for u in us)
+        if fitted < 0:
+            fixed, slope = mean_t, 0.0
+        elif mean_t - fitted * mean_u >= 0:
+            fixed, slope = mean_t - fitted * mean_u, fitted
+    return CostModel(fixed_s=round(fixed, 3), per_unit_s=slope, min_units=low, max_units=high)
 
 
 def capacity(snap: dict) -> Capacity:
