@@ -172,7 +172,7 @@ def test_a_keyless_gateway_sees_no_keyed_job_and_status_names_only_ones_own(redi
     """A keyless gateway and a keyed one on the same Redis, in front of one replica: the keyless one neither
     lists, serves nor deletes the keyed gateway's running job (on the old gateway, the set of keyless jobs was
     the set of every job, and a keyless GET found any record), and its /v1/status shows that replica busy
-    without the job's id or progress, which the job's own key sees."""
+    without the job's id, prompt, phase or progress, which the job's own key sees."""
     url = redis_db()
     group = start_replicas(1, url, "abuse-tenants", model=SYNTHETIC)
     auth = {"Authorization": "Bearer sk-abuse-tenant"}
@@ -186,7 +186,7 @@ def test_a_keyless_gateway_sees_no_keyed_job_and_status_names_only_ones_own(redi
                 return next((r["running"] for r in replicas if r["running"]), None)
 
             assert wait_for(lambda: running(keyed, headers=auth), "the job to run")["id"] == job
-            assert running(open_gw) == {"id": None, "step": None, "total_steps": None}
+            assert running(open_gw) == {"id": None, "step": None, "total_steps": None, "prompt": None, "phase": None}
             assert open_gw.client.get("/v1/videos").json()["data"] == []
             assert open_gw.client.get(f"/v1/videos/{job}").status_code == 404
             assert open_gw.client.delete(f"/v1/videos/{job}").status_code == 404

@@ -20,7 +20,7 @@ from test_http import LONG, SMALL, form_of, gateway, job_once, post, result_meta
 from client.api import InFlight
 from client.http.waits import cost_model
 from client.progress import flight_text
-from replicadp_tasks.keys import POSTER_KEY
+from replicadp_tasks.keys import JOB_KEY, POSTER_KEY
 from replicadp_tasks.records import Phase, RequestState
 from replicadp_tasks.video import decode_mp4
 
@@ -136,6 +136,22 @@ def test_a_job_deleted_during_its_decode_is_cancelling_then_cancelled_and_leaves
     assert decoding.client.delete(f"/v1/videos/{job_id}").json()["deleted"] is True  # now forgotten
     assert decoding.client.get(f"/v1/videos/{job_id}").status_code == 404
     assert post(decoding, "/v1/videos/sync", form_of(lasting(0.5))).status_code == 200
+
+
+def test_a_video_stored_as_its_job_was_deleted_is_removed_when_the_job_is_read(decoding):
+    """The gateway's side of a cancel that came as the replica stored (after the replica's last check): a job
+    marked deleted while it ran whose request then succeeded reads cancelled, and its video is removed from the
+    store, not left until retention. (The mark is written here as DELETE writes it, on a job that completed.)"""
+    job_id = post(decoding, "/v1/videos", form_of(lasting(0.5, prompt="stored as deleted"))).json()["id"]
+    wait_for(job_once(decoding, job_id, lambda j: j["status"] == "completed"), "the job to complete", timeout=60)
+    assert list(decoding.output.glob(f"{job_id}*"))
+    client = redis.Redis.from_url(decoding.redis_url)
+    record = json.loads(client.get(JOB_KEY + job_id))
+    client.set(JOB_KEY + job_id, json.dumps({**record, "cancelled_at": record["admitted_at"] + 1}))
+    job = decoding.client.get(f"/v1/videos/{job_id}").json()
+    assert (job["status"], job["phase"], job["error"]["code"]) == ("failed", "cancelled", "cancelled"), job
+    assert not list(decoding.output.glob(f"{job_id}*")), list(decoding.output.iterdir())
+    assert decoding.client.get(f"/v1/videos/{job_id}/content").status_code == 409
 
 
 def test_a_poster_is_the_videos_first_frame_small_and_kept(slow):
