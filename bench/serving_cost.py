@@ -1,0 +1,286 @@
+"""What a request costs beyond its compute: one replica of `synthetic:0` (nothing to compute; 128x128, 33 frames)
+kept busy with 2 requests in flight, on the embedded server (`appendfsync always`). Per request: the time, the CPU
+time of each process (the client, the replica's main process, its pool child, Redis), Redis commands and round
+trips (the server's reads), at 1 step and at more (the difference, per step); and where one request's time goes,
+from the records its replica writes (docs/http.md, `phase`): sent and queued (behind the request ahead: 2 are in
+flight), inputs and fence, denoising, decoding (the synthetic frames), encoding, storing and the result, the client's
+wake-up, and the replica's gap before its next request (the main process acknowledges and hands over the next).
+
+With `--baseline REV`, the same runs on commit REV (a git worktree: its replica, its client) in alternate rounds:
+before and after in one run. `--profile DIR` records the replica's two processes with py-spy (this tree, first
+round at 1 step) into flame graphs. Prints tables and writes JSON.
+
+    .venv/bin/python bench/serving_cost.py --requests 200 --rounds 3 --baseline be3e0a1 \\
+        --profile bench-results --out bench-results/serving-cost.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from datetime import datetime
+from pathlib import Path
+
+import click
+import redis
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client.local.embedded import EmbeddedServer, die_with_parent  # noqa: E402
+from client.local.replicas import stop_group  # noqa: E402
+
+SHAPE = {"height": 128, "width": 128, "num_frames": 33}
+WARM_UP = 20
+# The client, run with a tree's code: sends the requests (2 in flight) and says when each was sent and seen done.
+CLIENT = """
+import json, resource, sys, time
+from client.api import run_requests
+steps, n, warm = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+shape = json.loads(sys.argv[4])
+make = lambda i: {"prompt": f"request {i}", **shape, "num_inference_steps": steps, "seed": i}
+list(run_requests([make(i) for i in range(warm)], concurrency=2))
+print("warm", flush=True)
+sys.stdin.readline()
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+c0, t0 = cpu(), time.perf_counter()
+done = [(o.task_id, o.submitted_at, o.finished_at, o.ok) for o in run_requests([make(warm + i) for i in range(n)],
+                                                                              concurrency=2)]
+print(json.dumps({"wall_s": time.perf_counter() - t0, "cpu_s": cpu() - c0, "requests": done}), flush=True)
+"""
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def replica_processes(launcher: int) -> tuple[int, int]:
+    """(main process, pool child) of the one replica under worker_launch.sh's process `launcher`."""
+    def celery(pid):
+        return b"celery" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    todo, found = [launcher], []
+    while todo:
+        kids = children(todo.pop())
+        found += [k for k in kids if celery(k)]
+        todo += kids
+    main = next(p for p in found if any(c in found for c in children(p)))
+    return main, next(c for c in children(main) if c in found)
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_stats(client: redis.Redis) -> dict:
+    info = client.info("all")
+    return {"commands": info["total_commands_processed"], "round_trips": info["total_reads_processed"],
+            "cpu_s": info["used_cpu_sys"] + info["used_cpu_user"]}
+
+
+class Records(threading.Thread):
+    """Every result record the replica writes (Celery publishes each one it stores), with when it was seen."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.pubsub = redis.Redis.from_url(url).pubsub()
+        self.pubsub.psubscribe("celery-task-meta-*")
+        self.seen: dict[str, list[tuple[float, dict]]] = {}
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            message = self.pubsub.get_message(timeout=0.2)
+            if message and message["type"] == "pmessage":
+                task_id = message["channel"].decode().removeprefix("celery-task-meta-")
+                self.seen.setdefault(task_id, []).append((time.time(), json.loads(message["data"])))
+
+
+def phases(sent: list, seen: dict) -> dict[str, float]:
+    """Median milliseconds of each part of a request, from its records (a tree that writes no phases: the parts
+    it can tell)."""
+    parts: dict[str, list[float]] = {}
+    ends = []
+    for task_id, submitted, finished, _ in sent:
+        records = seen.get(task_id, [])
+        started = next((t for t, r in records if r["status"] == "STARTED"), None)
+        succeeded = next((t for t, r in records if r["status"] == "SUCCESS"), None)
+        if started is None or succeeded is None:
+            continue
+        begun = {}
+        for _, r in records:
+            if r["status"] == "PROGRESS" and "phase" in r["result"]:
+                begun.setdefault(r["result"]["phase"], r["result"]["phase_started_at"])
+        if not begun:  # a tree whose replica writes no phases: the replica's time in one piece
+            marks = [("sent, queued behind the request ahead, started", submitted), ("on the replica", started),
+                     ("client wake-up", succeeded), ("end", finished)]
+            for (name, t), (_, after) in zip(marks, marks[1:]):
+                parts.setdefault(name, []).append(1000 * (after - t))
+            ends.append((started, succeeded))
+            continue
+        marks = [("sent, queued behind the request ahead, started", submitted), ("inputs and fence", started)]
+        if "denoising" in begun:
+            marks.append(("denoising", begun["denoising"]))
+        marks += [(name, begun.get(phase)) for name, phase in (("decoding", "decoding"), ("encoding", "encoding"),
+                                                                ("storing and result", "storing"))]
+        marks += [("client wake-up", succeeded), ("end", finished)]
+        marks = [(name, t) for name, t in marks if t is not None]
+        for (name, t), (_, after) in zip(marks, marks[1:]):
+            parts.setdefault(name, []).append(1000 * (after - t))
+        ends.append((started, succeeded))
+    ends.sort()
+    parts["replica idle between requests"] = [1000 * (nxt[0] - cur[1]) for cur, nxt in zip(ends, ends[1:])]
+    return {name: round(statistics.median(ms), 2) for name, ms in parts.items() if ms}
+
+
+def one_round(tree: Path, url: str, steps: int, requests: int, work: Path, profile: Path | None) -> dict:
+    """One replica and one client of `tree` on `url`: the figures of `requests` requests of `steps` steps."""
+    client = redis.Redis.from_url(url)
+    client.flushall()
+    env = {**os.environ, "PYTHONPATH": str(tree), "REDIS_URL": url, "REPLICADP_MODEL": "synthetic:0",
+           "NUM_REPLICAS": "1", "DEVICES": "cpu", "THREADS_PER_REPLICA": "1", "OUTPUT_DIR": str(work / "out"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
+    with ExitStack() as stack:
+        log = stack.enter_context(open(work / "replica.log", "ab"))
+        launcher = subprocess.Popen(["bash", str(tree / "worker_launch.sh"), "--loglevel", "WARNING"], env=env,
+                                    cwd=tree, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=die_with_parent)
+        stack.callback(stop_group, launcher.pid, 60, launcher)
+        cli = subprocess.Popen([sys.executable, "-c", CLIENT, str(steps), str(requests), str(WARM_UP),
+                                json.dumps(SHAPE)], env=env, cwd=tree, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+        stack.callback(cli.kill)
+        if cli.stdout.readline().strip() != "warm":  # the warm-up waits for the replica to serve
+            raise click.ClickException(f"the client of {tree} failed; see {work / 'replica.log'}")
+        main, child = replica_processes(launcher.pid)
+        records = Records(url)
+        records.start()
+        spies = []
+        if profile is not None:
+            for name, pid in (("main", main), ("child", child)):
+                spies.append(subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate", "250",
+                     "--nonblocking", "--output", str(profile / f"serving-cost-profile-{name}.svg")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(1.0)  # py-spy attaches
+        before, cpu_before = server_stats(client), (cpu_s(main), cpu_s(child))
+        cli.stdin.write("go\n")
+        cli.stdin.flush()
+        out = json.loads(cli.stdout.readline())
+        after, cpu_after = server_stats(client), (cpu_s(main), cpu_s(child))
+        for spy in spies:
+            spy.send_signal(2)
+            spy.wait(timeout=60)
+        time.sleep(0.3)  # the last records
+        records.stop.set()
+        records.join()
+    n = len(out["requests"])
+    return {"ms_per_request": 1000 * out["wall_s"] / n, "failed": sum(not ok for *_, ok in out["requests"]),
+            "cpu_ms_per_request": {"client": 1000 * out["cpu_s"] / n,
+                                   "replica main": 1000 * (cpu_after[0] - cpu_before[0]) / n,
+                                   "replica child": 1000 * (cpu_after[1] - cpu_before[1]) / n,
+                                   "redis": 1000 * (after["cpu_s"] - before["cpu_s"]) / n},
+            "redis_commands_per_request": (after["commands"] - before["commands"]) / n,
+            "redis_round_trips_per_request": (after["round_trips"] - before["round_trips"]) / n,
+            "phases_ms": phases(out["requests"], records.seen)}
+
+
+def median_of(runs: list[dict], *path) -> float:
+    def get(run):
+        for key in path:
+            run = run[key]
+        return run
+    return statistics.median(get(r) for r in runs)
+
+
+@click.command()
+@click.option("--requests", default=200, show_default=True, help="Timed requests per round.")
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--steps", "many", default=30, show_default=True, help="The step count compared with 1 step.")
+@click.option("--baseline", default=None, help="A git revision to measure in alternate rounds (before and after).")
+@click.option("--profile", type=click.Path(path_type=Path), default=None,
+              help="Write py-spy flame graphs of the replica's main process and pool child here.")
+@click.option("--out", default="bench-results/serving-cost.json", show_default=True, type=click.Path(path_type=Path))
+def main(requests, rounds, many, baseline, profile, out):
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    work = Path(tempfile.mkdtemp(prefix="replicadp-serving-cost-"))
+    trees = {"this tree": ROOT}
+    results: dict = {}
+    server = EmbeddedServer(work / "redis")
+    try:
+        if baseline:
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", baseline], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(work / "baseline"), rev],
+                           capture_output=True, check=True)
+            trees = {f"baseline {rev}": work / "baseline", **trees}
+        url = server.start()
+        for steps in (1, many):
+            for round_ in range(rounds):
+                for name, tree in trees.items():
+                    spy = profile if profile is not None and tree == ROOT and steps == 1 and round_ == 0 else None
+                    got = one_round(tree, url, steps, requests, work, spy)
+                    results.setdefault(name, {}).setdefault(str(steps), []).append(got)
+                    console.print(f"{name}, {steps} step(s), round {round_ + 1}: {got['ms_per_request']:.1f} ms a "
+                                  f"request, {got['redis_round_trips_per_request']:.1f} round trips")
+    finally:
+        server.stop()
+        if baseline:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "baseline")],
+                           capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    table = Table(title=f"serving cost, synthetic:0 128x128x33, 1 replica, 2 in flight, {requests} requests x "
+                        f"{rounds} rounds (medians)")
+    for col in ("tree", "ms / request at 1 step", f"at {many}", "ms / extra step", "CPU ms / request (client, main, "
+                "child, redis)", "Redis commands / request", "round trips / request", "round trips / step"):
+        table.add_column(col, justify="right")
+    summary = {}
+    for name, by in results.items():
+        one, more = by["1"], by[str(many)]
+        ms1, msn = median_of(one, "ms_per_request"), median_of(more, "ms_per_request")
+        trips1 = median_of(one, "redis_round_trips_per_request")
+        tripsn = median_of(more, "redis_round_trips_per_request")
+        cpu = {k: median_of(one, "cpu_ms_per_request", k) for k in one[0]["cpu_ms_per_request"]}
+        summary[name] = {"ms_per_request_1_step": ms1, f"ms_per_request_{many}_steps": msn,
+                         "ms_per_extra_step": (msn - ms1) / (many - 1), "cpu_ms_per_request_1_step": cpu,
+                         "redis_commands_per_request_1_step": median_of(one, "redis_commands_per_request"),
+                         "redis_round_trips_per_request_1_step": trips1,
+                         "redis_round_trips_per_extra_step": (tripsn - trips1) / (many - 1),
+                         "phases_ms_1_step": one[0]["phases_ms"], f"phases_ms_{many}_steps": more[0]["phases_ms"],
+                         "rounds": by}
+        table.add_row(name, f"{ms1:.1f}", f"{msn:.1f}", f"{(msn - ms1) / (many - 1):.2f}",
+                      ", ".join(f"{v:.1f}" for v in cpu.values()),
+                      f"{summary[name]['redis_commands_per_request_1_step']:.0f}", f"{trips1:.1f}",
+                      f"{(tripsn - trips1) / (many - 1):.2f}")
+    console.print(table)
+    parts = Table(title="where one request's time goes, ms (medians over the requests of the first round)")
+    parts.add_column("part")
+    names = []
+    for name, got in summary.items():
+        for col in ("1 step", f"{many} steps"):
+            parts.add_column(f"{name}, {col}", justify="right")
+        names += [p for p in got[f"phases_ms_{many}_steps"] if p not in names]
+    for part in names:
+        parts.add_row(part, *[str(got[key].get(part, "-")) for got in summary.values()
+                              for key in ("phases_ms_1_step", f"phases_ms_{many}_steps")])
+    console.print(parts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"measured_at": datetime.now().isoformat(timespec="seconds"), "requests": requests,
+                               "rounds": rounds, "shape": SHAPE, "results": summary}, indent=1))
+    console.print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()
