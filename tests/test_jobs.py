@@ -103,7 +103,11 @@ def test_queued_jobs_show_their_place_in_the_queue_by_priority(slow):
     for name, priority in [("n1", "normal"), ("n2", "normal"), ("b", "batch"), ("i", "interactive")]:
         sent[name] = post(slow, "/v1/videos", {**SMALL, "prompt": name, "priority": priority}).json()["id"]
     try:
-        places = {name: slow.client.get(f"/v1/videos/{i}").json() for name, i in sent.items()}
+        def read():  # the gateway reads the queue's order at most once a second: the newest may not be in it yet
+            jobs = {name: slow.client.get(f"/v1/videos/{i}").json() for name, i in sent.items()}
+            return all(j["queue_position"] for j in jobs.values()) and jobs
+
+        places = wait_for(read, "every queued job to have a place")
         assert {n: j["queue_position"] for n, j in places.items()} == {"i": 1, "n1": 2, "n2": 3, "b": 4}, places
         assert all(j["phase"] == "queued" and j["priority"] == p for j, p in
                    zip(places.values(), ["normal", "normal", "batch", "interactive"]))

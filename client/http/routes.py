@@ -77,9 +77,8 @@ async def shown(request: Request, gw: Gateway, found: list[tuple[dict, dict | No
     """The job objects of (record, result meta) pairs, a queued one with its place in the queue and its expected
     start (waits.py); a job deleted while it ran whose video was stored meanwhile has it removed."""
     jobs = [job_view(record, meta) for record, meta in found]
-    queued = [record for (record, _), job in zip(found, jobs) if job.phase == "queued"]
-    if queued:
-        positions = await gw.queue_positions(queued)
+    if any(job.phase == "queued" for job in jobs):
+        positions = await gw.queue_positions()
         cap = capacity(await snapshots(request).get())
         mean = (await recents(request).get()).mean_request_s
         for job in jobs:
