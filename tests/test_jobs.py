@@ -117,8 +117,8 @@ def test_queued_jobs_show_their_place_in_the_queue_by_priority(slow):
         listed = {j["id"]: j["queue_position"] for j in slow.client.get("/v1/videos").json()["data"]}
         assert listed[sent["b"]] == 4 and listed[running] is None
         assert slow.client.get(f"/v1/videos/{running}").json()["queue_position"] is None
-    finally:
-        for job_id in [running, *sent.values()]:
+    finally:  # the queued ones first: while the long one runs, none of them can start
+        for job_id in [*sent.values(), running]:
             slow.client.delete(f"/v1/videos/{job_id}")
     assert all(slow.client.get(f"/v1/videos/{i}").status_code == 404 for i in sent.values())  # queued: forgotten
     wait_for(job_once(slow, running, lambda j: j["phase"] == "cancelled"), "the running one to end cancelled")
