@@ -32,18 +32,17 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
     job is `failed` with error code `cancelled`: the four states are what OpenAI's and vllm-omni's clients
     know; `phase` says more (schema.JobPhase). A job deleted while it ran (its record's `cancelled_at`) is
     `cancelling` until its request ends, then cancelled, whatever the replica made of it (the gateway removes a
-    video stored meanwhile: routes.delete_video)."""
+    video stored meanwhile: Gateway.watch_cancelled, and routes.shown at each read)."""
     now = time.time() if now is None else now
     job = VideoJob(status="queued", progress=0, **{k: v for k, v in record.items()
                                                    if k not in ("cancelled_at", "admitted_at")})
     status = meta["status"] if meta else RequestState.PENDING
     info = meta.get("result") if meta else None
-    ended_at = None
+    ended_at = done_at(meta) if status in READY else None
     if "cancelled_at" in record and status in READY:
         job.status, job.phase, job.completed_at = "failed", "cancelled", date_done(meta)
         job.error = VideoError(code=ErrorCode.CANCELLED, message=f"video_id={record['id']!r} was deleted while it "
-                                                                 "was queued or running")
-        ended_at = done_at(meta)
+                                                                 "ran")
     elif status == RequestState.SUCCESS:
         job.status, job.phase, job.progress, job.completed_at = "completed", "completed", 100, date_done(meta)
         job.replica, job.inference_time_s = info["replica"], info["timings"]["inference_s"]
@@ -57,13 +56,11 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
         job.video_url, job.video_url_expires_at = signed.get("video_url"), signed.get("video_url_expires_at")
         if SETTINGS.store_ttl_s and job.completed_at is not None:
             job.expires_at = job.completed_at + SETTINGS.store_ttl_s
-        ended_at = done_at(meta)
     elif status in READY:
         error = failure(meta)
         job.status, job.completed_at = "failed", date_done(meta)
         job.phase = "cancelled" if error.code == ErrorCode.CANCELLED else "failed"
         job.error = VideoError(code=error.code, message=error.detail)
-        ended_at = done_at(meta)
     elif status in (RequestState.STARTED, RequestState.PROGRESS):
         job.status, job.phase = "in_progress", "loading_inputs"
         if isinstance(info, dict):
