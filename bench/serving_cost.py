@@ -1,10 +1,11 @@
 """What a request costs beyond its compute: one replica of `synthetic:0` (nothing to compute; 128x128, 33 frames)
 kept busy with 2 requests in flight, on the embedded server (`appendfsync always`). Per request: the time, the CPU
-time of each process (the client, the replica's main process, its pool child, Redis), Redis commands and round
-trips (the server's reads), at 1 step and at more (the difference, per step); and where one request's time goes,
-from the records its replica writes (docs/http.md, `phase`): sent and queued (behind the request ahead: 2 are in
-flight), inputs and fence, denoising, decoding (the synthetic frames), encoding, storing and the result, the client's
-wake-up, and the replica's gap before its next request (the main process acknowledges and hands over the next).
+time of each process (the client, the replica's main process, its pool child, Redis), Redis commands (in all and
+by name) and round trips (the server's reads), at 1 step and at more (the difference, per step); and where one
+request's time goes, from the records its replica writes (docs/http.md, `phase`): sent and queued (behind the
+request ahead: 2 are in flight), inputs and fence, denoising, decoding (the synthetic frames), encoding, storing and
+the result, the client's wake-up, and the replica's gap before its next request (the main process acknowledges and
+hands over the next).
 
 With `--baseline REV`, the same runs on commit REV (a git worktree: its replica, its client) in alternate rounds:
 before and after in one run. `--profile DIR` records the replica's two processes with py-spy (this tree, first
@@ -86,7 +87,8 @@ def cpu_s(pid: int) -> float:
 def server_stats(client: redis.Redis) -> dict:
     info = client.info("all")
     return {"commands": info["total_commands_processed"], "round_trips": info["total_reads_processed"],
-            "cpu_s": info["used_cpu_sys"] + info["used_cpu_user"]}
+            "cpu_s": info["used_cpu_sys"] + info["used_cpu_user"],
+            "by_command": {k.removeprefix("cmdstat_"): v["calls"] for k, v in info.items() if k.startswith("cmdstat_")}}
 
 
 class Records(threading.Thread):
@@ -193,6 +195,10 @@ def one_round(tree: Path, url: str, steps: int, requests: int, work: Path, profi
                                    "redis": 1000 * (after["cpu_s"] - before["cpu_s"]) / n},
             "redis_commands_per_request": (after["commands"] - before["commands"]) / n,
             "redis_round_trips_per_request": (after["round_trips"] - before["round_trips"]) / n,
+            "redis_commands_by_name": dict(sorted(  # the whole server's: the bench's INFO and subscriber too
+                ((name, round((calls - before["by_command"].get(name, 0)) / n, 2))
+                 for name, calls in after["by_command"].items() if calls > before["by_command"].get(name, 0)),
+                key=lambda kv: -kv[1])),
             "phases_ms": phases(out["requests"], records.seen)}
 
 
@@ -226,6 +232,8 @@ def main(requests, rounds, many, baseline, profile, out):
                            capture_output=True, check=True)
             trees = {f"baseline {rev}": work / "baseline", **trees}
         url = server.start()
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
         for steps in (1, many):
             for round_ in range(rounds):
                 for name, tree in trees.items():
@@ -276,6 +284,16 @@ def main(requests, rounds, many, baseline, profile, out):
         parts.add_row(part, *[str(got[key].get(part, "-")) for got in summary.values()
                               for key in ("phases_ms_1_step", f"phases_ms_{many}_steps")])
     console.print(parts)
+    by_name = Table(title="Redis commands per request at 1 step, by name (the first round; MULTI/EXEC counted)")
+    by_name.add_column("command")
+    for name in summary:
+        by_name.add_column(name, justify="right")
+    counts = {name: got["rounds"]["1"][0]["redis_commands_by_name"] for name, got in summary.items()}
+    for command in sorted({c for got in counts.values() for c in got}, key=lambda c: -max(
+            got.get(c, 0) for got in counts.values())):
+        if max(got.get(command, 0) for got in counts.values()) >= 0.5:
+            by_name.add_row(command, *[f"{got.get(command, 0):.1f}" for got in counts.values()])
+    console.print(by_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"measured_at": datetime.now().isoformat(timespec="seconds"), "requests": requests,
                                "rounds": rounds, "shape": SHAPE, "results": summary}, indent=1))

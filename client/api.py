@@ -22,7 +22,7 @@ from replicadp_tasks import app, connection, generate, replication
 from replicadp_tasks.app import check_one_redis
 from replicadp_tasks.errors import InvalidRequest
 from replicadp_tasks import heartbeat
-from replicadp_tasks.keys import CANCEL_KEY
+from replicadp_tasks.keys import CANCEL_CHANNEL, CANCEL_KEY
 from replicadp_tasks.records import RequestState, Result
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.connection import redacted
@@ -153,8 +153,13 @@ def cancel_request(task_id: str) -> None:
     """Cancel a request: a queued one fails as RequestCancelled when a replica takes it, a running one at its
     next denoising step; the replica keeps its model either way. A request that has ended is left as it is."""
     client = app.backend.client
-    replication.durable(client, lambda: client.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s),
-                        f"cancel of {task_id}")
+
+    def cancel() -> None:
+        pipe = client.pipeline(transaction=False)
+        pipe.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s)
+        pipe.publish(CANCEL_CHANNEL, task_id)  # the replica running it hears it at once (lease.FenceKeeper)
+        pipe.execute()
+    replication.durable(client, cancel, f"cancel of {task_id}")
 
 
 def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float = 1800.0,

@@ -1,16 +1,55 @@
-"""Celery's Sentinel result backend, on connections that leave a server that stopped being the master.
+"""Celery's Redis result backends, with two changes.
 
-celery_backend_url (connection.py) names it for a Sentinel URL. Celery's own drops a connection on READONLY only,
-so a result or progress write on a connection kept from before a failover reached the resumed old master, which
-refused it (NOREPLICAS), and failed the request; here the write goes to the new master instead.
+One round trip per state written. Celery's own reads a task's result before each write of it, and leaves it if it
+is SUCCESS (a lost duplicate must not overwrite a result), then writes and publishes it: two round trips for each
+of a request's records (STARTED, each PROGRESS, the result). Here one script does the three, atomically: the same
+rule, and no write can slip in between the read and the write.
+
+Sentinel: connections that leave a server that stopped being the master. Celery's own drops a connection on
+READONLY only, so a result or progress write on a connection kept from before a failover reached the resumed old
+master, which refused it (NOREPLICAS), and failed the request; here the write goes to the new master instead.
+
+connection.celery_backend_url names these classes (Celery's `module:Class+url`).
 """
 
+from celery import states
+from celery.backends.base import BackendStoreError
+from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from celery.backends.redis import SentinelBackend as CelerySentinelBackend
+from kombu.utils.encoding import bytes_to_str
 
 from .connection import MasterConnection
 
+# KEYS[1]: the result key; ARGV: the encoded result, its lifetime in seconds (0: none), SUCCESS. Returns 0 (and
+# writes nothing) if the key holds a result that succeeded.
+_STORE = ("local current = redis.call('get', KEYS[1]) "
+          "if current then local ok, meta = pcall(cjson.decode, current) "
+          "if ok and type(meta) == 'table' and meta['status'] == ARGV[3] then return 0 end end "
+          "if ARGV[2] ~= '0' then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) "
+          "else redis.call('set', KEYS[1], ARGV[1]) end "
+          "redis.call('publish', KEYS[1], ARGV[1]) return 1")
 
-class SentinelBackend(CelerySentinelBackend):
+
+class RedisBackend(CeleryRedisBackend):
+    _script = None  # _STORE, sent by its hash (EVALSHA) once the server has it
+
+    def _store_result(self, task_id, result, state, traceback=None, request=None, **kwargs):
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        value = self.encode(meta)
+        if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
+        expires = self.failure_expires if state == states.FAILURE else self.expires
+        self.ensure(self._store, (self.get_key_for_task(task_id), value, int(expires or 0)))
+        return result
+
+    def _store(self, key, value, expires: int) -> None:
+        if self._script is None:
+            self._script = self.client.register_script(_STORE)
+        self._script(keys=[key], args=[value, expires, states.SUCCESS], client=self.client)
+
+
+class SentinelBackend(RedisBackend, CelerySentinelBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.connparams.setdefault("connection_class", MasterConnection)  # TLS (rediss) sets a class of its own

@@ -13,6 +13,7 @@ from redis import Redis
 from .keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY
 from .lease import FenceKeeper
 from .pipeline import PipelineHolder
+from .reporter import Reporter
 from .settings import SETTINGS
 from .transport import record_dead
 
@@ -22,17 +23,21 @@ class PoolChild:
     pipeline: PipelineHolder  # loaded: the model stays resident between requests
     store: object  # DirStore or RedisStore (store.py)
     redis: Redis  # rides out a Redis restart (store.outage_tolerant)
-    fences: FenceKeeper  # renews the fence of the request being computed, from a thread
+    fences: FenceKeeper  # keeps the fence of the request being computed and hears its cancel, from a thread
+    reporter: Reporter  # writes its progress records, from a thread
 
     def cancelled(self, task_id: str) -> bool:
         return bool(self.redis.exists(CANCEL_KEY + task_id))
 
-    def start_attempt(self, task_id: str) -> int:
-        """Count one more start of this task (redeliveries keep the task id); returns the count."""
+    def start_attempt(self, task_id: str) -> tuple[int, bool]:
+        """Count one more start of this task (redeliveries keep the task id); returns the count, and whether the
+        task was cancelled (the same round trip)."""
         pipe = self.redis.pipeline()
         pipe.incr(ATTEMPTS_KEY + task_id)
         pipe.expire(ATTEMPTS_KEY + task_id, SETTINGS.result_ttl_s)
-        return pipe.execute()[0]
+        pipe.exists(CANCEL_KEY + task_id)
+        attempt, _, cancelled = pipe.execute()
+        return attempt, bool(cancelled)
 
     def uncount_attempt(self, task_id: str) -> None:
         """Take back the count of this start: it ends cleanly, parked (tasks.Delivery.take_fence)."""
@@ -42,12 +47,14 @@ class PoolChild:
         record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process {attempts} "
                                  "times", "kwargs": kwargs, "attempts": attempts})
 
-    def record_completion(self, request_id: str) -> None:
+    def record_completion(self, request_id: str, task_id: str) -> bool:
+        """Count a request stored; returns whether its task was cancelled meanwhile (the same round trip)."""
         now = time.time()
         pipe = self.redis.pipeline()
         pipe.zadd(COMPLETED_KEY, {request_id: now})
         pipe.zremrangebyscore(COMPLETED_KEY, 0, now - 3600)
-        pipe.execute()
+        pipe.exists(CANCEL_KEY + task_id)
+        return bool(pipe.execute()[2])
 
 
 _child: PoolChild | None = None

@@ -111,10 +111,13 @@ def celery_url(url: str) -> str:
 
 
 def celery_backend_url(url: str) -> str:
-    """Celery's result_backend for `url`: for Sentinel, backend.SentinelBackend (Celery's `module:Class+url`)."""
-    if not parse(url).is_sentinel:
-        return url
-    return f"replicadp_tasks.backend:SentinelBackend+{celery_url(url)}"
+    """Celery's result_backend for `url`: backend.RedisBackend, or for Sentinel backend.SentinelBackend (Celery's
+    `module:Class+url`)."""
+    if parse(url).is_sentinel:
+        return f"replicadp_tasks.backend:SentinelBackend+{celery_url(url)}"
+    if urlsplit(url).scheme in ("redis", "rediss"):
+        return f"replicadp_tasks.backend:RedisBackend+{url}"
+    return url
 
 
 CELERY_OPTIONS = ("master_name", "sentinel_kwargs")  # the transport options celery_options gives

@@ -72,8 +72,8 @@ class PoisonRequest(ReplicaDPError):
 
 
 class RequestCancelled(ReplicaDPError):
-    """Raised when a request's caller cancelled it (`client.api.cancel_request`): checked before it starts
-    and at every denoising step.
+    """Raised when a request's caller cancelled it (`client.api.cancel_request`): checked before it starts, at
+    every denoising step (as the fence keeper heard it: at once, or within a second) and before it stores.
 
     Fails the request; the replica keeps its model and takes the next one.
     """

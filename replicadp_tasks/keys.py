@@ -52,7 +52,8 @@ UNACKED_INDEX_KEY = "unacked_index"  # sorted set of the same tags, scored by de
 # Celery's result backend: `celery-task-meta-<task id>`, a Result or Progress (records.py) under its state.
 
 # --- written by producers ---------------------------------------------------------------------------------
-CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request, read at every step
+CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request, read by the replica (lease.FenceKeeper)
+CANCEL_CHANNEL = "replicadp:cancels"  # pub/sub: the task id of each cancel, as it is set (lease.FenceKeeper)
 REPLICATED_KEY = "replicadp:replicated"  # a counter: written before a WAIT and by each new connection (connection.py)
 # The queue's lists are kombu's, one per priority (scheduling.queue_lists); each has its fairness state here:
 FAIR_KEY = "replicadp:fair:"  # + list name: hash, user -> last fair tag, and ~hwm (scheduling.place)

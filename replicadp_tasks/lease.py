@@ -26,12 +26,13 @@ message whose fence is gone back at the head of the queue: that delivery then fi
 the one computing it died or failed, takes the fence and computes.
 
 Who renews what. The heartbeat and the holders: the main process, which holds the messages. The fence: both the
-pool child computing the request (a thread, `FenceKeeper`, and every denoising step) and its main process. So
-the fence lapses only when both are gone or stopped: a stopped main process lets its message be requeued, but
-the copy is parked on the fence that the child keeps and then returns the child's result; a stopped child's
-fence is kept by its main process, which still holds the message. When both stop for longer than a lease, the
-copy takes the fence and computes; the stopped child, once resumed, finds the fence another's at its next step
-or, past the last step, right before it stores, and exits without storing (see tasks.py).
+pool child computing the request (a thread, `FenceKeeper`) and its main process. So the fence lapses only when
+both are gone or stopped: a stopped main process lets its message be requeued, but the copy is parked on the
+fence that the child keeps and then returns the child's result; a stopped child's fence is kept by its main
+process, which still holds the message. When both stop for longer than a lease, the copy takes the fence and
+computes; the stopped child, once resumed, finds the fence another's at its next step (its fence keeper's last
+look is then too old to answer for it) or, past the last step, right before it stores, and exits without storing
+(see tasks.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from typing import NamedTuple
 import redis
 
 from . import connection, transport
-from .keys import ALIVE_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken, fence_key
+from .keys import (ALIVE_KEY, CANCEL_CHANNEL, CANCEL_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY, UNACKED_KEY,
+                   FenceToken, fence_key)
 
 log = logging.getLogger("replicadp")
 
@@ -100,8 +102,7 @@ def acquire(r: redis.Redis, key: str, tok: FenceToken, lease_s: int) -> FenceAns
 
 
 def acquire_unless(r: redis.Redis, key: str, tok: FenceToken, lease_s: int, cancel_key: str) -> FenceAnswer:
-    """CANCELLED if `cancel_key` exists, else what acquire() answers. One round trip: it runs at every
-    denoising step."""
+    """CANCELLED if `cancel_key` exists, else what acquire() answers. One round trip."""
     pipe = r.pipeline(transaction=False)
     pipe.exists(cancel_key)
     pipe.eval(_ACQUIRE, 1, key, str(tok), lease_s * 1000)
@@ -114,28 +115,78 @@ def release(r: redis.Redis, key: str, tok: FenceToken) -> None:
 
 
 class FenceKeeper:
-    """In the pool child: renews the fence of the request it computes every TICK_S, from a thread, so that the
-    fence outlives a stopped main process (between steps, and through decoding and encoding, which report no
-    steps). Its own connection, short timeouts: a renewal that fails is retried at the next tick."""
+    """In the pool child: keeps the fence of the request it computes, and watches for its cancel, from a thread,
+    so that a denoising step asks Redis nothing while all is well (`clear`). Every TICK_S it renews the fence (so
+    that the fence outlives a stopped main process, between steps and through decoding and encoding) and looks
+    for the cancel key; between ticks it hears each cancel at once on CANCEL_CHANNEL. A tick that finds the fence
+    not this delivery's, or a cancel heard, makes the next step ask Redis itself (tasks.Delivery.on_step), as
+    does a last good look older than two ticks (the process was stopped, or the thread could not run). Its own
+    connections, short timeouts: a look that fails is made again at the next tick."""
+
+    HEARD_KEEP = 1000  # task ids of cancels heard, kept: one heard just before its request starts here counts
 
     def __init__(self, url: str, lease_s: int):
         self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
         self.lease_s = lease_s
         self.current: tuple[str, FenceToken] | None = None  # (fence key, token) of the request being computed
+        self.clear_at = float("-inf")  # when (monotonic) a look last found the fence the current's and no cancel
+        self.heard: dict[str, None] = {}  # task ids of the cancels heard, oldest first
+
+    def watch(self, fence: str, tok: FenceToken) -> None:
+        """From now on, keep `fence` for `tok`, which has just taken it. A cancel since the request started is
+        already heard (`heard`), or, set without being published, found at the next tick."""
+        self.clear_at = time.monotonic()
+        self.current = (fence, tok)
+
+    def clear(self, tok: FenceToken) -> bool:
+        """Whether the fence was `tok`'s and no cancel of its task was seen, at a look within two ticks."""
+        current = self.current
+        return (current is not None and current[1] == tok and tok.task_id not in self.heard
+                and time.monotonic() - self.clear_at < 2 * TICK_S)
 
     def run(self) -> None:
-        failing = False
+        failing, channel, next_tick = False, None, time.monotonic()
         while True:
-            current = self.current
-            if current is not None:
-                try:
-                    self.redis.eval(_RENEW, 1, current[0], str(current[1]), self.lease_s * 1000)
-                    failing = False
-                except redis.RedisError as exc:
-                    if not failing:  # once per outage, not once a second
-                        log.warning("lease: cannot renew the fence %s: %s", current[0], exc)
-                    failing = True
-            time.sleep(TICK_S)
+            try:
+                if channel is None:
+                    channel = self.redis.pubsub(ignore_subscribe_messages=True)
+                    channel.subscribe(CANCEL_CHANNEL)
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + TICK_S
+                    self.look()
+                message = channel.get_message(timeout=max(0.0, next_tick - time.monotonic()))
+                if message is not None:
+                    data = message["data"]
+                    self.hear(data.decode() if isinstance(data, bytes) else data)
+                failing = False
+            except redis.RedisError as exc:
+                if not failing:  # once per outage, not once a second
+                    log.warning("lease: cannot keep the fence or hear cancels: %s", exc)
+                failing = True
+                if channel is not None:
+                    channel.close()
+                channel = None
+                time.sleep(max(0.0, next_tick - time.monotonic()))
+
+    def look(self) -> None:
+        """Renew the current fence and look for its cancel."""
+        current = self.current
+        if current is None:
+            return
+        key, tok = current
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(CANCEL_KEY + tok.task_id)
+        pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
+        cancelled, renewed = pipe.execute()
+        if cancelled:
+            self.hear(tok.task_id)
+        if self.current == current:
+            self.clear_at = time.monotonic() if renewed and not cancelled else float("-inf")
+
+    def hear(self, task_id: str) -> None:
+        self.heard[task_id] = None
+        if len(self.heard) > self.HEARD_KEEP:
+            del self.heard[next(iter(self.heard))]
 
 
 def _snapshot(requests) -> list:
@@ -172,13 +223,6 @@ class Keeper:
             except Exception:  # never let the heartbeat die with a bug in one tick
                 log.exception("lease: tick failed")
             time.sleep(max(0.0, TICK_S - (time.monotonic() - started)))
-
-    def hold(self, tag: str) -> None:
-        """Record that this replica holds the message `tag` (called when it is received)."""
-        try:
-            self.redis.hset(HOLDERS_KEY, tag, self.name)
-        except redis.RedisError as exc:  # the next tick writes it again
-            log.warning("lease: cannot record holder of %s: %s", tag, exc)
 
     def tick(self, held) -> None:
         """Renew this replica's heartbeat, its holders and the fences of its running requests; release the

@@ -46,26 +46,25 @@ def generate(self, prompt=None, **kwargs) -> Result:
         log.error("request %s: the replica's ranks must form their group again (%s); the pool child exits, the "
                   "request is requeued", task_id, me.pipeline.group_broken)
         os._exit(EXIT_GROUP_LOST)
-    # 2. Cancelled before it started?
-    if me.cancelled(task_id):
+    # 2. Count the attempt (each earlier one ended its replica's process); cancelled before it started?
+    attempt, cancelled = me.start_attempt(task_id)
+    if cancelled:
         raise RequestCancelled(f"request {task_id} was cancelled before it started")
-    # 3. Count the attempt: each earlier one ended its replica's process.
-    attempt = me.start_attempt(task_id)
     if attempt > SETTINGS.max_attempts:
         me.record_poison(task_id, {"prompt": prompt, **kwargs}, attempt - 1)
         raise PoisonRequest(f"request {task_id} ended its replica's process {attempt - 1} times; not retried "
                             f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
-    # 4. Validate, and fetch the first frame.
+    # 3. Validate, and fetch the first frame.
     delivery = Delivery.of(self, {"prompt": prompt, **kwargs}, started)
-    # 5. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer;
+    # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer;
     # or, if another live delivery holds it, raise Parked.
     earlier = delivery.take_fence()
     if earlier is not None:
         delivery.tell(Event.COMPLETED, result=earlier)
         return earlier
-    me.fences.current = (delivery.fence, delivery.token)  # renewed by the fence keeper thread from now on
+    me.fences.watch(delivery.fence, delivery.token)  # kept, and its cancel watched, by the fence keeper thread
     try:
-        # 6. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request: it is
+        # 5. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request: it is
         #    requeued as a killed replica's is, and the pool's next child rebuilds the group.
         delivery.tell(Event.STARTED)
         try:
@@ -73,12 +72,13 @@ def generate(self, prompt=None, **kwargs) -> Result:
         except GroupLost as exc:
             log.error("request %s: %s; the pool child exits, the request is requeued", delivery.request_id, exc)
             os._exit(EXIT_GROUP_LOST)
-        # 7. Store it (the first delivery to store wins) and return its metadata.
+        # 6. Store it (the first delivery to store wins) and return its metadata.
         stored = delivery.store(video, result)
         delivery.tell(Event.COMPLETED, result=stored)
         return stored
     finally:
         me.fences.current = None
+        me.reporter.flush()  # its progress records are written before Celery writes its result
         lease.release(me.redis, delivery.fence, delivery.token)
 
 
@@ -86,7 +86,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
 class Delivery:
     """One delivery of one request to this pool child: what it asks for and who computes it."""
 
-    task: object  # the bound Celery task: its request, update_state
+    task: object  # the bound Celery task: its request
     req: GenerateRequest
     image: object  # the first frame (PIL), or None
     params: dict  # the effective inputs, as reported back
@@ -166,13 +166,15 @@ class Delivery:
             os._exit(EXIT_FENCED_OUT)
 
     def on_step(self, step: int, total: int) -> None:
-        """At every denoising step: stop if cancelled or fenced out; report Progress now and then."""
+        """At every denoising step: stop if cancelled or fenced out; report Progress now and then. The fence
+        keeper's last look answers, when it found all well within two ticks; else Redis does."""
         me = child.current()
-        answer = lease.acquire_unless(me.redis, self.fence, self.token, SETTINGS.lease_s,
-                                      CANCEL_KEY + self.task.request.id)
-        if answer.state == FenceState.CANCELLED:
-            raise RequestCancelled(f"request {self.task.request.id} was cancelled at step {step} of {total}")
-        self.still_ours(answer)
+        if not me.fences.clear(self.token):
+            answer = lease.acquire_unless(me.redis, self.fence, self.token, SETTINGS.lease_s,
+                                          CANCEL_KEY + self.task.request.id)
+            if answer.state == FenceState.CANCELLED:
+                raise RequestCancelled(f"request {self.task.request.id} was cancelled at step {step} of {total}")
+            self.still_ours(answer)
         self.step, self.total_steps = step, total
         last = step == total  # the pipeline decodes next
         if last or time.monotonic() - self.reported >= PROGRESS_EVERY_S:
@@ -181,14 +183,14 @@ class Delivery:
 
     def report(self, phase: Phase) -> None:
         """Write this request's Progress (its result record, which its job, `status` and the CLI read): `phase`,
-        since when, and the step."""
+        since when, and the step; from the reporter's thread."""
         now = time.time()
         if phase != self.phase:
             self.phase, self.phase_started_at = phase, now
         self.reported = time.monotonic()
-        self.task.update_state(state=RequestState.PROGRESS, meta=Progress(
+        child.current().reporter.put(self.task.request.id, RequestState.PROGRESS, Progress(
             phase=phase, phase_started_at=self.phase_started_at, step=self.step, total_steps=self.total_steps,
-            replica=self.token.replica, request_id=self.request_id, pid=self.token.pid))
+            replica=self.token.replica, request_id=self.request_id, pid=self.token.pid), self.task.request)
 
     def tell(self, event: Event, **fields) -> None:
         """Queue a webhook event of this request, if it asks for it: a Redis write, never a wait on the receiver
@@ -233,13 +235,12 @@ class Delivery:
                                    "was not stored")
         self.still_ours(answer)
 
-        def put() -> Result:
+        def put() -> tuple[Result, bool]:
             stored = me.store.put(self.request_id, video, result)  # the first to store wins: this one, or another
-            me.record_completion(self.request_id)
-            return stored
+            return stored, me.record_completion(self.request_id, self.task.request.id)
         # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
-        stored = replication.durable(me.redis, put, f"request {self.request_id}'s result")
-        if me.redis.exists(CANCEL_KEY + self.task.request.id):  # cancelled while it stored: nobody wants it
+        stored, cancelled = replication.durable(me.redis, put, f"request {self.request_id}'s result")
+        if cancelled:  # while it stored: nobody wants it
             me.store.delete(self.request_id)
             raise RequestCancelled(f"request {self.task.request.id} was cancelled as its video was stored; the "
                                    "video was removed")

@@ -8,7 +8,7 @@ client gets an answer; the replica's main process goes on. The check sits on the
 response callback of the channel's client), the one place that holds the raw bytes of every message the worker
 consumes; a refusal reads as an empty poll to kombu. And a message popped whose delivery record cannot be
 written is kept to be put back (QoS), not lost; one whose acknowledgement Redis refuses still frees its prefetch
-slot (QoS), so that the consumer goes on.
+slot (QoS), so that the consumer goes on. In a replica, the record of a delivery names its holder too (lease.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kombu.utils.json import dumps
 
 from . import connection, message, replication, scheduling
 from .errors import InvalidRequest, MessageRefused
-from .keys import DEAD_KEY, STANDBY_PREFIX, STATS_KEY
+from .keys import DEAD_KEY, HOLDERS_KEY, STANDBY_PREFIX, STATS_KEY
 from .settings import SETTINGS
 
 log = logging.getLogger("replicadp")
@@ -41,6 +41,9 @@ RAW_KEEP_CHARS = 500  # of a refused message, in its record: enough to recognise
 # (payload, exchange, routing key) of the messages this process took off a queue and could not record as
 # delivered (QoS.append), oldest first, until put_back_orphans puts them back.
 ORPHANS: deque[tuple[dict, str, str]] = deque()
+# In a replica's main process, its name: QoS.append records it as the holder of each message it delivers
+# (lease.py), in the transaction that records the delivery.
+HOLDER: str | None = None
 
 
 def record_dead(client, record: dict) -> None:
@@ -82,7 +85,17 @@ class QoS(kombu_redis.QoS):
 
     def append(self, message, delivery_tag):
         try:
-            super().append(message, delivery_tag)
+            if HOLDER is None:
+                super().append(message, delivery_tag)
+                return
+            # kombu's append, and the holder: one round trip, before the request is handed to the pool child.
+            info = message.delivery_info
+            with self.pipe_or_acquire() as pipe:
+                pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+                pipe.hset(self.unacked_key, delivery_tag, dumps([message._raw, info["exchange"], info["routing_key"]]))
+                pipe.hset(HOLDERS_KEY, delivery_tag, HOLDER)
+                pipe.execute()
+            virtual.QoS.append(self, message, delivery_tag)
         except (redis.ConnectionError, redis.TimeoutError):
             info = message.delivery_info
             ORPHANS.append((message._raw, info["exchange"], info["routing_key"]))

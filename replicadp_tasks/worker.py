@@ -31,7 +31,7 @@ from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from kombu.transport import virtual
 
-from . import child, logs, webhooks
+from . import child, logs, transport, webhooks
 from .app import app
 from .errors import Parked
 from .heartbeat import Heartbeat, Running
@@ -39,6 +39,7 @@ from .keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
 from .lease import FenceKeeper, Keeper
 from .pipeline import PipelineHolder, describe_device
 from .records import ReplicaInfo
+from .reporter import Reporter
 from .settings import SETTINGS
 from .store import open_store, outage_tolerant, sweep_forever
 from .tasks import EXIT_GROUP_LOST
@@ -66,7 +67,7 @@ MAIN = MainProcess()
 @signals.celeryd_init.connect
 def _start_on_standby(sender, instance, conf, **_):
     """In the main process, before it consumes: listen only on this replica's standby queue."""
-    MAIN.name = sender
+    MAIN.name = transport.HOLDER = sender
     MAIN.stopping = multiprocessing.RawValue("b", 0)  # shared memory: pool children see it set
     # An exchange of its own: by default Celery binds a queue to the default exchange, `video`, with the routing
     # key `video`, and a request published through that exchange would be copied into every standby queue.
@@ -258,13 +259,6 @@ def _pause(why: str) -> None:
         MAIN.consumer.cancel_task_queue(SETTINGS.queue)
 
 
-@signals.task_received.connect
-def _record_holder(request, **_):
-    """In the main process, as a message arrives: record that this replica holds it."""
-    if MAIN.keeper is not None:
-        MAIN.keeper.hold(request.message.delivery_tag)
-
-
 @signals.worker_process_shutdown.connect
 def _end_followers(**_):
     """In a pool child that ends normally (a warm shutdown, a recycle): end its follower ranks and remove their
@@ -299,10 +293,12 @@ def _load_then_consume(**_):
         log.exception("replica %s cannot load model %r; stopping", name, SETTINGS.model)
         os.kill(os.getppid(), signal.SIGQUIT)
         os._exit(1)
-    fences = FenceKeeper(SETTINGS.redis_url, SETTINGS.lease_s)
-    me = child.PoolChild(pipeline, store, outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s), fences)
+    fences, reporter = FenceKeeper(SETTINGS.redis_url, SETTINGS.lease_s), Reporter(app.backend)
+    me = child.PoolChild(pipeline, store, outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s), fences,
+                         reporter)
     child.become(me)
     threading.Thread(target=fences.run, name="replicadp-fence", daemon=True).start()
+    threading.Thread(target=reporter.run, name="replicadp-reporter", daemon=True).start()
     info = ReplicaInfo(name=name, model=SETTINGS.model, device=describe_device(pipeline.device),
                        size_multiple=pipeline.size_multiple, accepts_image=pipeline.accepts_image,
                        requires_image=pipeline.requires_image, experts=pipeline.expert_count,

@@ -53,6 +53,30 @@ def test_sweep_prints_and_writes_table_json_markdown_png(tmp_path, tiny_model):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res"]  # the sweep's run folder is gone
 
 
+def test_serving_cost_compares_a_baseline_commit_in_one_run(tmp_path):
+    """bench/serving_cost.py runs this tree and a baseline commit (a git worktree, removed after) in alternate
+    rounds at 1 step and more, and writes per tree the time, CPU, Redis commands (in all and by name) and round
+    trips per request and per step, and where a request's time goes by phase."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["TMPDIR"] = str(tmp_path)
+    out = tmp_path / "res" / "cost.json"
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "bench" / "serving_cost.py"), "--requests", "4", "--rounds", "1",
+                          "--steps", "3", "--baseline", "HEAD", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 2 and "this tree" in results and "where one request's time goes" in run.stdout
+    for got in results.values():
+        assert got["rounds"]["1"][0]["failed"] == got["rounds"]["3"][0]["failed"] == 0
+        assert got["ms_per_request_1_step"] > 0 and got["cpu_ms_per_request_1_step"]["replica child"] > 0
+        assert got["rounds"]["1"][0]["redis_commands_by_name"]["brpop"] >= 0.5  # a request is popped once
+        assert {"inputs and fence", "encoding", "storing and result"} <= set(got["phases_ms_3_steps"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["res"]  # its run folder and worktree are gone
+    worktrees = subprocess.run(["git", "-C", str(root), "worktree", "list"], capture_output=True, text=True).stdout
+    assert str(tmp_path) not in worktrees
+
+
 def test_vllm_omnis_baseline_is_written_and_checked(redis_db, tmp_path):
     """vllm-omni's isolation baseline (bench_replica_dp.py's manifest: prompt, seed, WIDTHxHEIGHT, frames and
     steps joined by the unit separator -> MD5 of the MP4 that POST /v1/videos/sync answered), made the way that
