@@ -29,8 +29,8 @@ from .webhooks import Event, Webhook, check_webhook, emit
 
 log = logging.getLogger("replicadp")
 # PROGRESS within a phase at most this often (the first step and each change of phase always): each is a write of
-# the result key, ~2 ms on a small machine, and a GPU step takes ~0.2 s; a person, `status` and `health` need no
-# more than this.
+# the result key (by the reporter thread, off the request's path, but a write Redis fsyncs), and a GPU step takes
+# ~0.2 s; a person, `status` and `health` need no more than this.
 PROGRESS_EVERY_S = 0.5
 EXIT_FENCED_OUT = 75  # the exit status of a pool child whose delivery lost its fence (EX_TEMPFAIL)
 EXIT_GROUP_LOST = 76  # ... whose multi-process group broke (parallel.GroupLost): its request is requeued
@@ -227,7 +227,7 @@ class Delivery:
         """Store the video and its Result unless another delivery stored first; the stored Result."""
         me = child.current()
         self.report(Phase.STORING)
-        # Decoding and encoding checked neither fence nor cancel: check both once more before the write.
+        # Ask Redis itself, once more, before the write: decoding and encoding checked neither fence nor cancel.
         answer = lease.acquire_unless(me.redis, self.fence, self.token, SETTINGS.lease_s,
                                       CANCEL_KEY + self.task.request.id)
         if answer.state == FenceState.CANCELLED:
