@@ -2,10 +2,11 @@
 kept busy with 2 requests in flight, on the embedded server (`appendfsync always`). Per request: the time, the CPU
 time of each process (the client, the replica's main process, its pool child, Redis), Redis commands (in all and
 by name) and round trips (the server's reads), at 1 step and at more (the difference, per step); and where one
-request's time goes, from the records its replica writes (docs/http.md, `phase`): sent and queued (behind the
-request ahead: 2 are in flight), inputs and fence, denoising, decoding (the synthetic frames), encoding, storing and
-the result, the client's wake-up, and the replica's gap before its next request (the main process acknowledges and
-hands over the next).
+request's time goes, from Celery's task events and the records its replica writes (docs/http.md, `phase`): the
+producer's send, the wait behind the request ahead (2 are in flight), the main process's hand-over to the pool
+child, inputs and fence, denoising, decoding (the synthetic frames), encoding, storing and the result, the client's
+wake-up (and beside it, the result's way back to the main process), and the replica's gap before its next request
+(the main process acknowledges, pops, checks and hands over the next).
 
 With `--baseline REV`, the same runs on commit REV (a git worktree: its replica, its client) in alternate rounds:
 before and after in one run. `--profile DIR` records the replica's two processes with py-spy (this tree, first
@@ -17,6 +18,7 @@ round at 1 step) into flame graphs. Prints tables and writes JSON.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -92,57 +94,72 @@ def server_stats(client: redis.Redis) -> dict:
 
 
 class Records(threading.Thread):
-    """Every result record the replica writes (Celery publishes each one it stores), with when it was seen."""
+    """Every result record the replica writes (Celery publishes each one it stores), with when it was seen; and
+    Celery's task events, each with its own time: sent (by the client, once the message is in Redis), received
+    (by the replica's main process, once it has popped, checked and recorded it) and succeeded (once the main
+    process has the result from its pool child)."""
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
         self.pubsub = redis.Redis.from_url(url).pubsub()
-        self.pubsub.psubscribe("celery-task-meta-*")
+        self.pubsub.psubscribe("celery-task-meta-*", "*celeryev/task*")
         self.seen: dict[str, list[tuple[float, dict]]] = {}
+        self.events: dict[str, dict[str, float]] = {}  # task id -> event type -> its timestamp
         self.stop = threading.Event()
 
     def run(self):
         while not self.stop.is_set():
             message = self.pubsub.get_message(timeout=0.2)
-            if message and message["type"] == "pmessage":
-                task_id = message["channel"].decode().removeprefix("celery-task-meta-")
+            if not message or message["type"] != "pmessage":
+                continue
+            channel = message["channel"].decode()
+            if channel.startswith("celery-task-meta-"):
+                task_id = channel.removeprefix("celery-task-meta-")
                 self.seen.setdefault(task_id, []).append((time.time(), json.loads(message["data"])))
+                continue
+            events = json.loads(base64.b64decode(json.loads(message["data"])["body"]))  # kombu's envelope
+            for event in events if isinstance(events, list) else [events]:  # task.multi: a batch
+                self.events.setdefault(event["uuid"], {})[event["type"]] = event["timestamp"]
 
 
-def phases(sent: list, seen: dict) -> dict[str, float]:
-    """Median milliseconds of each part of a request, from its records (a tree that writes no phases: the parts
-    it can tell)."""
+def phases(sent: list, seen: dict, events: dict) -> dict[str, float]:
+    """Median milliseconds of each part of a request, in order, from its records and events (a tree that writes
+    no phases: the parts it can tell)."""
     parts: dict[str, list[float]] = {}
     ends = []
     for task_id, submitted, finished, _ in sent:
-        records = seen.get(task_id, [])
+        records, told = seen.get(task_id, []), events.get(task_id, {})
         started = next((t for t, r in records if r["status"] == "STARTED"), None)
         succeeded = next((t for t, r in records if r["status"] == "SUCCESS"), None)
-        if started is None or succeeded is None:
+        if started is None or succeeded is None or {"task-sent", "task-received"} - set(told):
             continue
         begun = {}
         for _, r in records:
             if r["status"] == "PROGRESS" and "phase" in r["result"]:
                 begun.setdefault(r["result"]["phase"], r["result"]["phase_started_at"])
+        marks = [("producer send (the message, the sent event)", submitted),
+                 ("queued behind the request ahead (2 in flight)", told["task-sent"]),
+                 ("hand-over to the pool child (and its STARTED record)", told["task-received"])]
         if not begun:  # a tree whose replica writes no phases: the replica's time in one piece
-            marks = [("sent, queued behind the request ahead, started", submitted), ("on the replica", started),
-                     ("client wake-up", succeeded), ("end", finished)]
-            for (name, t), (_, after) in zip(marks, marks[1:]):
-                parts.setdefault(name, []).append(1000 * (after - t))
-            ends.append((started, succeeded))
-            continue
-        marks = [("sent, queued behind the request ahead, started", submitted), ("inputs and fence", started)]
-        if "denoising" in begun:
-            marks.append(("denoising", begun["denoising"]))
-        marks += [(name, begun.get(phase)) for name, phase in (("decoding", "decoding"), ("encoding", "encoding"),
-                                                                ("storing and result", "storing"))]
+            marks.append(("on the replica", started))
+        else:
+            marks.append(("inputs and fence", started))
+            if "denoising" in begun:
+                marks.append(("denoising", begun["denoising"]))
+            marks += [(name, begun.get(phase)) for name, phase in (
+                ("decoding", "decoding"), ("encoding", "encoding"), ("storing and result", "storing"))]
         marks += [("client wake-up", succeeded), ("end", finished)]
         marks = [(name, t) for name, t in marks if t is not None]
         for (name, t), (_, after) in zip(marks, marks[1:]):
             parts.setdefault(name, []).append(1000 * (after - t))
-        ends.append((started, succeeded))
+        if "task-succeeded" in told:  # beside the client's wake-up, not before it
+            parts.setdefault("the result back to the main process", []).append(
+                1000 * (told["task-succeeded"] - succeeded))
+        ends.append((started, succeeded, told["task-received"]))
     ends.sort()
     parts["replica idle between requests"] = [1000 * (nxt[0] - cur[1]) for cur, nxt in zip(ends, ends[1:])]
+    parts["of which: acknowledge, pop and check the next"] = [1000 * (nxt[2] - cur[1])
+                                                             for cur, nxt in zip(ends, ends[1:])]
     return {name: round(statistics.median(ms), 2) for name, ms in parts.items() if ms}
 
 
@@ -199,7 +216,7 @@ def one_round(tree: Path, url: str, steps: int, requests: int, work: Path, profi
                 ((name, round((calls - before["by_command"].get(name, 0)) / n, 2))
                  for name, calls in after["by_command"].items() if calls > before["by_command"].get(name, 0)),
                 key=lambda kv: -kv[1])),
-            "phases_ms": phases(out["requests"], records.seen)}
+            "phases_ms": phases(out["requests"], records.seen, records.events)}
 
 
 def median_of(runs: list[dict], *path) -> float:
