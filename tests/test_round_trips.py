@@ -38,7 +38,7 @@ def instant(redis_db):
 def monitored(url: str):
     """Every command the server runs meanwhile (MONITOR), as (client address, command), scripts' own calls left
     out."""
-    seen, stop = [], threading.Event()
+    seen, ready, stop = [], threading.Event(), threading.Event()
     client = redis.Redis.from_url(url)
 
     def watch():
@@ -49,7 +49,6 @@ def monitored(url: str):
                 if command.get("client_type") != "lua":
                     seen.append((f"{command['client_address']}:{command['client_port']}", command["command"]))
 
-    ready = threading.Event()
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     ready.wait(10)
