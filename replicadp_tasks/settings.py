@@ -135,6 +135,7 @@ class Settings:
     store_ttl_s: int
     result_ttl_s: int
     threads: int
+    encode_threads: int
     vae_tiling: bool
     attention: str
     compile: str
@@ -197,6 +198,10 @@ class Settings:
             result_ttl_s=_int("REPLICADP_RESULT_TTL", 86400),
             # CPU replicas: threads per replica, so that N replicas share the cores without oversubscription.
             threads=_int("REPLICADP_THREADS", 1),
+            # libx264's threads on a GPU replica: its GPU waits while it encodes and the host's cores are free
+            # (832x480x33: 426 ms on one thread, 288 ms on two of this 2-core machine). Fixed, not x264's count
+            # from the cores: the count changes the bytes. A CPU replica encodes on its REPLICADP_THREADS.
+            encode_threads=_at_least("REPLICADP_ENCODE_THREADS", 4, 1),
             # Decoding 832x480 in tiles lowers the VAE's peak memory at some speed cost; off by default.
             vae_tiling=_bool("REPLICADP_VAE_TILING", False),
             # diffusers' attention backend for the transformer ("native": torch's SDPA, which picks flash or

@@ -27,10 +27,10 @@ import io
 import numpy as np
 
 X264_CPU_AVX512 = 1 << 16  # x264.h: the flag that selects x264's AVX-512 routines
-# In-process libx264 through PyAV: no ffmpeg process to spawn per request (docs/benchmarks.md, figure 1). One
-# encoder thread and a bitexact muxer: libx264 writes its thread count into the stream, and the muxer would
-# write its version.
-_X264 = {"crf": "18", "preset": "veryfast", "threads": "1"}
+# In-process libx264 through PyAV: no ffmpeg process to spawn per request (docs/benchmarks.md, figure 1). A thread
+# count the caller fixes, never x264's own (1.5 x the machine's cores): frame threads change the bytes, and x264
+# writes the count into the stream. A bitexact muxer: it would write its version.
+_X264 = {"crf": "18", "preset": "veryfast"}
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
@@ -57,27 +57,29 @@ def loaded_library(name: str) -> str | None:
 
 
 @functools.cache
-def x264_params() -> str:
-    """libx264's parameters: one thread, and x264's own CPU detection less AVX-512 (see the module docstring)."""
+def x264_params(threads: int = 1) -> str:
+    """libx264's parameters: `threads` frame threads, and x264's own CPU detection less AVX-512 (see the module
+    docstring)."""
     import av
 
     av.codec.Codec("libx264", "w")  # libavcodec is loaded, and with it libx264 (or: no such encoder, named)
     path = loaded_library("libx264")
     if path is None:
-        return "threads=1:mbtree=0"
+        return f"threads={threads}:mbtree=0"
     detect = ctypes.CDLL(path).x264_cpu_detect
     detect.restype = ctypes.c_uint32
-    return f"threads=1:asm={detect() & ~X264_CPU_AVX512}"
+    return f"threads={threads}:asm={detect() & ~X264_CPU_AVX512}"
 
 
-def encode_mp4(frames: np.ndarray, fps: int, options: dict | None = None) -> bytes:
-    """H.264 MP4 of uint8 frames shaped (frames, height, width, 3), byte-for-byte reproducible. `options`
-    replaces libx264's (bench/encode.py compares settings); replicas never pass it."""
+def encode_mp4(frames: np.ndarray, fps: int, options: dict | None = None, threads: int = 1) -> bytes:
+    """H.264 MP4 of uint8 frames shaped (frames, height, width, 3), byte-for-byte reproducible for a given
+    `threads` (x264's frame threads: the same count gives the same bytes on any machine, another count other
+    bytes). `options` replaces libx264's (bench/encode.py compares settings); replicas never pass it."""
     import av
 
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
-        options = options or {**_X264, "x264-params": x264_params()}
+        options = options or {**_X264, "threads": str(threads), "x264-params": x264_params(threads)}
         stream = container.add_stream("libx264", rate=fps, options=options)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         for frame in frames:

@@ -18,7 +18,7 @@ from client.bench.isolation import check_baseline, describe_mismatch, write_base
 from client.bench.run import PROMPTS
 from conftest import start_replicas
 from helpers import AVX2
-from replicadp_tasks.video import encode_mp4, frames_sha256
+from replicadp_tasks.video import decode_mp4, encode_mp4, frames_sha256
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 SMALL = ["--size", "64x64", "--num-frames", "9", "--steps", "4"]
@@ -53,25 +53,39 @@ import numpy as np
 from replicadp_tasks import video
 if sys.argv[1] == "fallback":
     video.loaded_library = lambda name: None  # as where libx264 is no shared library this process can find
-print(video.x264_params())
-for path in sys.argv[2:]:
-    print(hashlib.sha256(video.encode_mp4(np.load(path), 24)).hexdigest())
+threads = int(sys.argv[2])
+print(video.x264_params(threads))
+for path in sys.argv[3:]:
+    print(hashlib.sha256(video.encode_mp4(np.load(path), 24, threads=threads)).hexdigest())
 """
 
 
-@pytest.mark.parametrize("mode", ["detected", "fallback"])
-def test_the_same_frames_give_the_same_mp4_whatever_the_heap_holds(mode, tmp_path):
+@pytest.mark.parametrize("mode,threads", [("detected", 1), ("fallback", 1), ("detected", 4)])
+def test_the_same_frames_give_the_same_mp4_whatever_the_heap_holds(mode, threads, tmp_path):
     """Four processes whose new heap blocks hold four different bytes (glibc's MALLOC_PERTURB_, every block from
     the heap) encode the same frames at widths that are and are not multiples of 128: one MP4 per size. x264's
     AVX-512 macroblock-tree code reads heap memory it never wrote at such widths; without the cap in video.py
     this fails on an AVX-512 machine (measured: a digest per byte at 64x64, 192 and 832 wide). Both ways of
-    encoding hold: x264's CPU detection less AVX-512, and mbtree=0 where libx264 cannot be found."""
+    encoding hold: x264's CPU detection less AVX-512, and mbtree=0 where libx264 cannot be found; and so do 4
+    frame threads (a GPU replica's REPLICADP_ENCODE_THREADS), whose scheduling differs from run to run."""
     frames = save_frames(tmp_path, ((64, 64), (128, 192), (480, 832), (128, 256)))
     env = {"MALLOC_MMAP_THRESHOLD_": str(2**30)}
-    runs = [python(ENCODE, {**env, "MALLOC_PERTURB_": byte}, mode, *frames).split() for byte in ("0", "7", "91", "200")]
+    runs = [python(ENCODE, {**env, "MALLOC_PERTURB_": byte}, mode, str(threads), *frames).split()
+            for byte in ("0", "7", "91", "200")]
     assert all(len(r) == 5 for r in runs)
     assert all(r == runs[0] for r in runs), runs
     assert ("mbtree=0" if mode == "fallback" else ":asm=") in runs[0][0]
+    assert runs[0][0].startswith(f"threads={threads}:")
+
+
+def test_the_encoder_thread_count_changes_the_mp4_not_the_frames():
+    """Why the count is a setting, never x264's own from the machine's cores: the same frames on 1 and on 4
+    threads give other bytes, and both decode to frames of the same shape (the primary identity,
+    frames_sha256, is of the pipeline's frames, not of the decoded MP4)."""
+    frames = video_frames(3, 480, 832, 5)
+    one, four = encode_mp4(frames, 24), encode_mp4(frames, 24, threads=4)
+    assert one != four
+    assert decode_mp4(one).shape == decode_mp4(four).shape == frames.shape
 
 
 REPEAT = """
