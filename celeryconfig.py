@@ -41,8 +41,9 @@ worker_prefetch_multiplier = 1
 task_acks_late = True
 # A pool child killed mid-request (OOM, CUDA crash) requeues its request instead of failing it.
 task_reject_on_worker_lost = True
-# STARTED tells a client that its request left the queue and which replica took it.
-task_track_started = True
+# STARTED tells a client that its request left the queue and which replica took it. The task writes it (tasks.py),
+# from its pool child's reporter thread: Celery's own write would be a round trip before the request starts.
+task_track_started = False
 # Task events feed Flower; the sent event lets it show queued requests too.
 worker_send_task_events = True
 task_send_sent_event = True

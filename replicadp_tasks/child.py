@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from .keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY
-from .lease import FenceKeeper
+from .keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, FenceToken
+from .lease import FenceKeeper, release_unless
 from .pipeline import PipelineHolder
 from .reporter import Reporter
 from .settings import SETTINGS
@@ -47,14 +47,15 @@ class PoolChild:
         record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process {attempts} "
                                  "times", "kwargs": kwargs, "attempts": attempts})
 
-    def record_completion(self, request_id: str, task_id: str) -> bool:
-        """Count a request stored; returns whether its task was cancelled meanwhile (the same round trip)."""
+    def record_completion(self, request_id: str, task_id: str, fence: str, tok: FenceToken) -> bool:
+        """Count a request stored and release its fence, unless its task was cancelled meanwhile (the same round
+        trip); returns whether it was."""
         now = time.time()
         pipe = self.redis.pipeline()
         pipe.zadd(COMPLETED_KEY, {request_id: now})
         pipe.zremrangebyscore(COMPLETED_KEY, 0, now - 3600)
-        pipe.exists(CANCEL_KEY + task_id)
-        return bool(pipe.execute()[2])
+        release_unless(pipe, fence, tok, CANCEL_KEY + task_id)
+        return not pipe.execute()[2]
 
 
 _child: PoolChild | None = None

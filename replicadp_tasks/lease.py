@@ -60,6 +60,9 @@ _ACQUIRE = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then re
 # Renew the lock only while we own it; release it only if we still own it.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Unless KEYS[2] (the cancel key) exists, release the lock if we still own it: 1 (not cancelled), else 0.
+_RELEASE_UNLESS = ("if redis.call('exists', KEYS[2]) == 1 then return 0 end "
+                   "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end return 1")
 # Forget a holder only if it is still the one we saw: the message may already be held again elsewhere.
 _FORGET = "if redis.call('hget', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('hdel', KEYS[1], ARGV[1]) end return 0"
 
@@ -112,6 +115,12 @@ def acquire_unless(r: redis.Redis, key: str, tok: FenceToken, lease_s: int, canc
 
 def release(r: redis.Redis, key: str, tok: FenceToken) -> None:
     r.eval(_RELEASE, 1, key, str(tok))
+
+
+def release_unless(pipe, key: str, tok: FenceToken, cancel_key: str) -> None:
+    """Queue on `pipe`: release the fence unless `cancel_key` exists (a cancelled request keeps its fence until
+    its stored video is removed). Its reply: 1 if not cancelled, else 0."""
+    pipe.eval(_RELEASE_UNLESS, 2, key, cancel_key, str(tok))
 
 
 class FenceKeeper:

@@ -46,40 +46,47 @@ def generate(self, prompt=None, **kwargs) -> Result:
         log.error("request %s: the replica's ranks must form their group again (%s); the pool child exits, the "
                   "request is requeued", task_id, me.pipeline.group_broken)
         os._exit(EXIT_GROUP_LOST)
-    # 2. Count the attempt (each earlier one ended its replica's process); cancelled before it started?
-    attempt, cancelled = me.start_attempt(task_id)
-    if cancelled:
-        raise RequestCancelled(f"request {task_id} was cancelled before it started")
-    if attempt > SETTINGS.max_attempts:
-        me.record_poison(task_id, {"prompt": prompt, **kwargs}, attempt - 1)
-        raise PoisonRequest(f"request {task_id} ended its replica's process {attempt - 1} times; not retried "
-                            f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
-    # 3. Validate, and fetch the first frame.
-    delivery = Delivery.of(self, {"prompt": prompt, **kwargs}, started)
-    # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer;
-    # or, if another live delivery holds it, raise Parked.
-    earlier = delivery.take_fence()
-    if earlier is not None:
-        delivery.tell(Event.COMPLETED, result=earlier)
-        return earlier
-    me.fences.watch(delivery.fence, delivery.token)  # kept, and its cancel watched, by the fence keeper thread
+    # 2. Say that this replica took it (STARTED, Celery's meta, written by the reporter's thread), count the
+    #    attempt (each earlier one ended its replica's process); cancelled before it started?
+    me.reporter.put(task_id, RequestState.STARTED, {"pid": os.getpid(), "hostname": self.request.hostname},
+                    self.request)
     try:
-        # 5. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request: it is
-        #    requeued as a killed replica's is, and the pool's next child rebuilds the group.
-        delivery.tell(Event.STARTED)
+        attempt, cancelled = me.start_attempt(task_id)
+        if cancelled:
+            raise RequestCancelled(f"request {task_id} was cancelled before it started")
+        if attempt > SETTINGS.max_attempts:
+            me.record_poison(task_id, {"prompt": prompt, **kwargs}, attempt - 1)
+            raise PoisonRequest(f"request {task_id} ended its replica's process {attempt - 1} times; not retried "
+                                f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
+        # 3. Validate, and fetch the first frame.
+        delivery = Delivery.of(self, {"prompt": prompt, **kwargs}, started)
+        # 4. Take the fence, unless a delivery of this request_id has stored its result: then that is the answer;
+        # or, if another live delivery holds it, raise Parked.
+        earlier = delivery.take_fence()
+        if earlier is not None:
+            delivery.tell(Event.COMPLETED, result=earlier)
+            return earlier
+        me.fences.watch(delivery.fence, delivery.token)  # kept, and its cancel watched, by the fence keeper thread
         try:
-            video, result = delivery.run()
-        except GroupLost as exc:
-            log.error("request %s: %s; the pool child exits, the request is requeued", delivery.request_id, exc)
-            os._exit(EXIT_GROUP_LOST)
-        # 6. Store it (the first delivery to store wins) and return its metadata.
-        stored = delivery.store(video, result)
-        delivery.tell(Event.COMPLETED, result=stored)
-        return stored
+            # 5. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request:
+            #    it is requeued as a killed replica's is, and the pool's next child rebuilds the group.
+            delivery.tell(Event.STARTED)
+            try:
+                video, result = delivery.run()
+            except GroupLost as exc:
+                log.error("request %s: %s; the pool child exits, the request is requeued", delivery.request_id, exc)
+                os._exit(EXIT_GROUP_LOST)
+            # 6. Store it (the first delivery to store wins; the fence is released with the completion's record)
+            #    and return its metadata.
+            stored = delivery.store(video, result)
+            delivery.tell(Event.COMPLETED, result=stored)
+            return stored
+        finally:
+            me.fences.current = None
+            if not delivery.released:
+                lease.release(me.redis, delivery.fence, delivery.token)
     finally:
-        me.fences.current = None
-        me.reporter.flush()  # its progress records are written before Celery writes its result
-        lease.release(me.redis, delivery.fence, delivery.token)
+        me.reporter.flush()  # its STARTED and progress records are written before Celery writes its result
 
 
 @dataclass
@@ -100,6 +107,7 @@ class Delivery:
     phase_started_at: float = 0.0
     step: int = 0  # the denoising step last reached, of total_steps
     total_steps: int = 0
+    released: bool = False  # its fence, with the completion's record (store)
 
     @classmethod
     def of(cls, task, kwargs: dict, started: float) -> "Delivery":
@@ -205,7 +213,9 @@ class Delivery:
         frames = pipeline.generate(self.req, self.image, on_step=self.on_step)
         inferred, cost = time.time(), pipeline.last_run
         self.report(Phase.ENCODING)
-        video = encode_mp4(frames, self.req.fps)
+        # A GPU waits while its replica encodes, and the host's cores are free then; a CPU replica's are not.
+        threads = SETTINGS.encode_threads if pipeline.device == "cuda" else SETTINGS.threads
+        video = encode_mp4(frames, self.req.fps, threads=threads)
         encoded = time.time()
         sent_at = self.task.request.get("replicadp_sent_at")
         return video, Result(
@@ -237,9 +247,10 @@ class Delivery:
 
         def put() -> tuple[Result, bool]:
             stored = me.store.put(self.request_id, video, result)  # the first to store wins: this one, or another
-            return stored, me.record_completion(self.request_id, self.task.request.id)
+            return stored, me.record_completion(self.request_id, self.task.request.id, self.fence, self.token)
         # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
         stored, cancelled = replication.durable(me.redis, put, f"request {self.request_id}'s result")
+        self.released = not cancelled
         if cancelled:  # while it stored: nobody wants it
             me.store.delete(self.request_id)
             raise RequestCancelled(f"request {self.task.request.id} was cancelled as its video was stored; the "

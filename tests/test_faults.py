@@ -45,7 +45,7 @@ def send(group, request: dict):
 
 def running_pid(group, task_id: str, not_pids=()) -> int:
     """The pid of the pool child running `task_id`, once it is not one of `not_pids`. Read from PROGRESS, not
-    STARTED: STARTED is stored before the task body counts the attempt, and a kill in between would be an
+    STARTED: STARTED may be stored before the task body counts the attempt, and a kill in between would be an
     attempt the poison bound never counts, and the test would wait for a poison failure that comes a start later."""
     what = f"{task_id} to run in a process other than {list(not_pids)}"
 

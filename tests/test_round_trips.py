@@ -1,7 +1,7 @@
 """What a request asks of Redis (issue #38, docs/benchmarks.md section 15): a denoising step asks nothing while all
 is well (the fence keeper's last look answers it), a cancel reaches the fence keeper at once, each record of a
-request is one round trip that never replaces a success, and the holder of a message is recorded in the
-transaction that records its delivery. Read from what the server itself sees (MONITOR), on real replicas."""
+request is one round trip that never replaces a success, the holder of a message is recorded in the
+transaction that records its delivery, and the fence is released in the round trip that records the completion. Read from what the server itself sees (MONITOR), on real replicas."""
 
 import os
 import threading
@@ -93,6 +93,21 @@ def test_the_holder_is_recorded_in_the_transaction_that_records_the_delivery(ins
     client, tag = seen[at][0], seen[at][1].split()[2]
     after = [command for who, command in seen[at + 1:] if who == client][:2]
     assert after[0].split()[:3] == ["HSET", HOLDERS_KEY, tag] and after[1] == "EXEC", after
+
+
+@pytest.mark.cluster
+def test_the_fence_is_released_by_the_script_that_records_the_completion(instant):
+    """A stored request's fence is released in the round trip that records its completion (the script that
+    releases it unless the request was cancelled meanwhile), not by a round trip of its own after it: no command
+    names the fence after that script, and the fence is gone."""
+    with monitored(instant.url) as seen:
+        [outcome] = run_client_on(instant.url, [{**INSTANT, "num_inference_steps": 1}], concurrency=1)
+    assert outcome.ok, outcome.error
+    fence, cancel = FENCE_KEY + outcome.result["request_id"], CANCEL_KEY + outcome.task_id
+    named = naming(seen, fence)
+    at = next(i for i, command in enumerate(named) if command.startswith("EVAL") and cancel in command)
+    assert named[at:] == [named[at]], named[at:]
+    assert not instant.redis.exists(fence)
 
 
 def test_a_record_is_one_round_trip_and_never_replaces_a_success(redis_db):
