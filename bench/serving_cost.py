@@ -5,8 +5,8 @@ by name) and round trips (the server's reads), at 1 step and at more (the differ
 request's time goes, from Celery's task events and the records its replica writes (docs/http.md, `phase`): the
 producer's send, the wait behind the request ahead (2 are in flight), the main process's hand-over to the pool
 child, inputs and fence, denoising, decoding (the synthetic frames), encoding, storing and the result, the client's
-wake-up (and beside it, the result's way back to the main process), and the replica's gap before its next request
-(the main process acknowledges, pops, checks and hands over the next).
+wake-up (and beside it, the result's way back to the main process), and the pipeline's gap between two requests
+(from one's frames to the next one's start: what a GPU would idle).
 
 With `--baseline REV`, the same runs on commit REV (a git worktree: its replica, its client) in alternate rounds:
 before and after in one run. `--profile DIR` records the replica's two processes with py-spy (this tree, first
@@ -155,11 +155,10 @@ def phases(sent: list, seen: dict, events: dict) -> dict[str, float]:
         if "task-succeeded" in told:  # beside the client's wake-up, not before it
             parts.setdefault("the result back to the main process", []).append(
                 1000 * (told["task-succeeded"] - succeeded))
-        ends.append((started, succeeded, told["task-received"]))
+        ends.append((started, begun.get("encoding", succeeded)))
     ends.sort()
-    parts["replica idle between requests"] = [1000 * (nxt[0] - cur[1]) for cur, nxt in zip(ends, ends[1:])]
-    parts["of which: acknowledge, pop and check the next"] = [1000 * (nxt[2] - cur[1])
-                                                             for cur, nxt in zip(ends, ends[1:])]
+    parts["the pipeline idle between requests (one's frames done to the next one's STARTED)"] = [
+        1000 * (nxt[0] - cur[1]) for cur, nxt in zip(ends, ends[1:])]
     return {name: round(statistics.median(ms), 2) for name, ms in parts.items() if ms}
 
 

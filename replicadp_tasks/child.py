@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from .keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, FenceToken
+from .finisher import Finisher
+from .keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken
 from .lease import FenceKeeper, release_unless
 from .pipeline import PipelineHolder
 from .reporter import Reporter
@@ -23,8 +24,9 @@ class PoolChild:
     pipeline: PipelineHolder  # loaded: the model stays resident between requests
     store: object  # DirStore or RedisStore (store.py)
     redis: Redis  # rides out a Redis restart (store.outage_tolerant)
-    fences: FenceKeeper  # keeps the fence of the request being computed and hears its cancel, from a thread
+    fences: FenceKeeper  # keeps the fences of its requests and hears their cancels, from a thread
     reporter: Reporter  # writes its progress records, from a thread
+    finisher: Finisher  # encodes, stores and answers a request while the next is computed, from a thread
 
     def cancelled(self, task_id: str) -> bool:
         return bool(self.redis.exists(CANCEL_KEY + task_id))
@@ -56,6 +58,15 @@ class PoolChild:
         pipe.zremrangebyscore(COMPLETED_KEY, 0, now - 3600)
         release_unless(pipe, fence, tok, CANCEL_KEY + task_id)
         return not pipe.execute()[2]
+
+
+    def acknowledge(self, delivery_tag: str) -> None:
+        """Acknowledge a message as its replica's main process would (kombu's `unacked` and its index), for a
+        request that the finisher answered (errors.Finishing). The main process's lease thread then forgets it."""
+        pipe = self.redis.pipeline()
+        pipe.zrem(UNACKED_INDEX_KEY, delivery_tag)
+        pipe.hdel(UNACKED_KEY, delivery_tag)
+        pipe.execute()
 
 
 _child: PoolChild | None = None

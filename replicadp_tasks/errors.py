@@ -88,6 +88,16 @@ class Parked(ReplicaDPError, Ignore):
     """
 
 
+class Finishing(ReplicaDPError, Ignore):
+    """Raised when a request's frames are computed and its pool child's finisher thread encodes, stores and
+    answers it (finisher.py), so that the replica computes its next request meanwhile.
+
+    Fails nothing: Celery stores no state for it; the replica's main process keeps its message unacknowledged in
+    Redis, as its own, and takes the next one (lease.Keeper.finishing). The finisher writes the result (or the
+    failure), then acknowledges the message; if the pool child dies first, the message goes back to the queue.
+    """
+
+
 class OutOfMemory(ReplicaDPError):
     """Raised when a request needs more device (or host) memory than the replica has left.
 

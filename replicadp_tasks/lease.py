@@ -33,11 +33,17 @@ process, which still holds the message. When both stop for longer than a lease, 
 computes; the stopped child, once resumed, finds the fence another's at its next step (its fence keeper's last
 look is then too old to answer for it) or, past the last step, right before it stores, and exits without storing
 (see tasks.py).
+
+A request whose frames are computed is finished (encoded, stored, answered) by a thread of its pool child while
+the replica computes the next (finisher.py): its main process keeps its message and renews its holder and fence
+as a running request's until the child acknowledges it, and requeues it if the child dies first
+(`Keeper.finishing`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from enum import StrEnum
@@ -124,34 +130,39 @@ def release_unless(pipe, key: str, tok: FenceToken, cancel_key: str) -> None:
 
 
 class FenceKeeper:
-    """In the pool child: keeps the fence of the request it computes, and watches for its cancel, from a thread,
-    so that a denoising step asks Redis nothing while all is well (`clear`). Every TICK_S it renews the fence (so
-    that the fence outlives a stopped main process, between steps and through decoding and encoding) and looks
-    for the cancel key; between ticks it hears each cancel at once on CANCEL_CHANNEL. A tick that finds the fence
-    not this delivery's, or a cancel heard, makes the next step ask Redis itself (tasks.Delivery.on_step), as
-    does a last good look older than two ticks (the process was stopped, or the thread could not run). Its own
-    connections, short timeouts: a look that fails is made again at the next tick."""
+    """In the pool child: keeps the fences of its requests (the one it computes, and the one its finisher ends),
+    and watches for their cancels, from a thread, so that a denoising step asks Redis nothing while all is well
+    (`clear`). Every TICK_S it renews each fence (so that a fence outlives a stopped main process, between steps
+    and through decoding, encoding and storing) and looks for each cancel key; between ticks it hears each cancel
+    at once on CANCEL_CHANNEL. A tick that finds a fence not its delivery's, or a cancel heard, makes that
+    request's next step ask Redis itself (tasks.Delivery.on_step), as does a last good look older than two ticks
+    (the process was stopped, or the thread could not run). Its own connections, short timeouts: a look that
+    fails is made again at the next tick."""
 
     HEARD_KEEP = 1000  # task ids of cancels heard, kept: one heard just before its request starts here counts
 
     def __init__(self, url: str, lease_s: int):
         self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
         self.lease_s = lease_s
-        self.current: tuple[str, FenceToken] | None = None  # (fence key, token) of the request being computed
-        self.clear_at = float("-inf")  # when (monotonic) a look last found the fence the current's and no cancel
+        self.watched: dict[FenceToken, str] = {}  # delivery -> its fence key, of the requests kept
+        self.clear_at: dict[FenceToken, float] = {}  # when (monotonic) a look last found all well for one
         self.heard: dict[str, None] = {}  # task ids of the cancels heard, oldest first
 
     def watch(self, fence: str, tok: FenceToken) -> None:
         """From now on, keep `fence` for `tok`, which has just taken it. A cancel since the request started is
         already heard (`heard`), or, set without being published, found at the next tick."""
-        self.clear_at = time.monotonic()
-        self.current = (fence, tok)
+        self.clear_at[tok] = time.monotonic()
+        self.watched[tok] = fence
+
+    def unwatch(self, tok: FenceToken) -> None:
+        """Stop keeping `tok`'s fence: its request has ended here."""
+        self.watched.pop(tok, None)
+        self.clear_at.pop(tok, None)
 
     def clear(self, tok: FenceToken) -> bool:
         """Whether the fence was `tok`'s and no cancel of its task was seen, at a look within two ticks."""
-        current = self.current
-        return (current is not None and current[1] == tok and tok.task_id not in self.heard
-                and time.monotonic() - self.clear_at < 2 * TICK_S)
+        return (tok in self.watched and tok.task_id not in self.heard
+                and time.monotonic() - self.clear_at.get(tok, float("-inf")) < 2 * TICK_S)
 
     def run(self) -> None:
         failing, channel, next_tick = False, None, time.monotonic()
@@ -178,24 +189,34 @@ class FenceKeeper:
                 time.sleep(max(0.0, next_tick - time.monotonic()))
 
     def look(self) -> None:
-        """Renew the current fence and look for its cancel."""
-        current = self.current
-        if current is None:
+        """Renew the fences kept and look for their cancels, in one round trip."""
+        watched = list(self.watched.items())
+        if not watched:
             return
-        key, tok = current
         pipe = self.redis.pipeline(transaction=False)
-        pipe.exists(CANCEL_KEY + tok.task_id)
-        pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
-        cancelled, renewed = pipe.execute()
-        if cancelled:
-            self.hear(tok.task_id)
-        if self.current == current:
-            self.clear_at = time.monotonic() if renewed and not cancelled else float("-inf")
+        for tok, key in watched:
+            pipe.exists(CANCEL_KEY + tok.task_id)
+            pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
+        replies = pipe.execute()
+        for (tok, key), cancelled, renewed in zip(watched, replies[::2], replies[1::2]):
+            if cancelled:
+                self.hear(tok.task_id)
+            if self.watched.get(tok) == key:
+                self.clear_at[tok] = time.monotonic() if renewed and not cancelled else float("-inf")
 
     def hear(self, task_id: str) -> None:
         self.heard[task_id] = None
         if len(self.heard) > self.HEARD_KEEP:
             del self.heard[next(iter(self.heard))]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (a child of this process: its pid is not reused before it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _snapshot(requests) -> list:
@@ -222,6 +243,9 @@ class Keeper:
         self.fences: dict[str, FenceToken] = {}  # fence key -> token, of the requests running here at the last tick
         self.qos = None  # kombu's Redis QoS of the replica's channel: its restore_by_tag requeues a message
         self.holding = threading.Lock()  # a tick's renewal of the holders it lists, or a park: one at a time
+        # delivery tag -> the Celery request whose pool child finishes it (errors.Finishing): held here, as a
+        # running request is, until the child acknowledges it (or dies: then it is requeued)
+        self.finished_by_child: dict[str, object] = {}
 
     def run(self, requests) -> None:
         """The lease thread: tick every TICK_S until the process exits. `requests()`: what it holds."""
@@ -239,9 +263,10 @@ class Keeper:
         requeued request must not wait a lease for it); then sweep.
         `held()`: the Celery requests this process holds."""
         try:
+            self.settle_finishing()
             # Listed and renewed under the lock: a request parked meanwhile is not recorded as held here again.
             with self.holding:
-                requests = _snapshot(held)
+                requests = _snapshot(held) + list(self.finished_by_child.values())
                 fences = dict(fence_of(req) for req in requests if req.worker_pid)
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(ALIVE_KEY + self.name, str(time.time()), px=self.lease_s * 1000)
@@ -320,6 +345,28 @@ class Keeper:
         fence is gone. The message stays in kombu's `unacked` (the caller settles it in this process only)."""
         with self.holding:
             self.redis.hset(HOLDERS_KEY, req.message.delivery_tag, PARKED + fence_of(req)[0])
+
+    def finishing(self, req) -> None:
+        """`req`'s frames are computed and its pool child finishes it (errors.Finishing): keep renewing its holder
+        and its fence, as for a running request, until the child acknowledges its message."""
+        with self.holding:
+            self.finished_by_child[req.message.delivery_tag] = req
+
+    def settle_finishing(self) -> None:
+        """Forget the finishing requests whose pool child has acknowledged them; requeue, now, those whose child
+        died first (a killed child's finisher dies with it)."""
+        if not self.finished_by_child:
+            return
+        tags = list(self.finished_by_child)
+        for tag, message in zip(tags, self.redis.hmget(UNACKED_KEY, tags)):
+            req = self.finished_by_child[tag]
+            if message is not None and _alive(req.worker_pid):
+                continue
+            with self.holding:
+                del self.finished_by_child[tag]
+            if message is not None:
+                log.warning("lease: the pool child finishing %s died", req.id)
+                self.lost(req)
 
     def lost(self, req) -> None:
         """The pool child running `req` died: release its fence and requeue its message now, not at the next

@@ -8,15 +8,21 @@ delivery that finds the fence another's is parked, and returns that one's result
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+from celery import signals
+from celery.utils.saferepr import saferepr
+
 from . import child, lease, replication
 from .app import app
-from .errors import GroupLost, InvalidRequest, Parked, PoisonRequest, RequestCancelled, RequestIdConflict
+from .errors import (Finishing, GroupLost, InvalidRequest, Parked, PoisonRequest, ReplicaDPError, RequestCancelled,
+                     RequestIdConflict)
 from .images import load_first_frame
 from .keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
 from .lease import FenceAnswer, FenceState
@@ -34,6 +40,7 @@ log = logging.getLogger("replicadp")
 PROGRESS_EVERY_S = 0.5
 EXIT_FENCED_OUT = 75  # the exit status of a pool child whose delivery lost its fence (EX_TEMPFAIL)
 EXIT_GROUP_LOST = 76  # ... whose multi-process group broke (parallel.GroupLost): its request is requeued
+EXIT_UNANSWERED = 77  # ... whose finisher could not write a request's answer: that request is requeued
 
 
 @app.task(name="replicadp.generate", bind=True, Request="replicadp_tasks.worker:ReplicaRequest")
@@ -50,6 +57,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
     #    attempt (each earlier one ended its replica's process); cancelled before it started?
     me.reporter.put(task_id, RequestState.STARTED, {"pid": os.getpid(), "hostname": self.request.hostname},
                     self.request)
+    finishing = False
     try:
         attempt, cancelled = me.start_attempt(task_id)
         if cancelled:
@@ -68,32 +76,34 @@ def generate(self, prompt=None, **kwargs) -> Result:
             return earlier
         me.fences.watch(delivery.fence, delivery.token)  # kept, and its cancel watched, by the fence keeper thread
         try:
-            # 5. Run the pipeline and encode the MP4. A broken group of ranks ends the process, not the request:
-            #    it is requeued as a killed replica's is, and the pool's next child rebuilds the group.
+            # 5. Run the pipeline: the frames. A broken group of ranks ends the process, not the request: it is
+            #    requeued as a killed replica's is, and the pool's next child rebuilds the group.
             delivery.tell(Event.STARTED)
             try:
-                video, result = delivery.run()
+                frames = delivery.compute()
             except GroupLost as exc:
                 log.error("request %s: %s; the pool child exits, the request is requeued", delivery.request_id, exc)
                 os._exit(EXIT_GROUP_LOST)
-            # 6. Store it (the first delivery to store wins; the fence is released with the completion's record)
-            #    and return its metadata.
-            stored = delivery.store(video, result)
-            delivery.tell(Event.COMPLETED, result=stored)
-            return stored
+            # 6. Encode, store and answer it in the finisher thread, once the request before it there is done
+            #    (Delivery.finish); meanwhile this replica takes its next request.
+            me.finisher.submit(functools.partial(delivery.finish, frames))
+            finishing = True
+            raise Finishing(f"request {delivery.request_id}: frames computed; the finisher encodes, stores and "
+                            "answers it")
         finally:
-            me.fences.current = None
-            if not delivery.released:
+            if not finishing:
+                me.fences.unwatch(delivery.token)
                 lease.release(me.redis, delivery.fence, delivery.token)
     finally:
-        me.reporter.flush()  # its STARTED and progress records are written before Celery writes its result
+        if not finishing:  # else the finisher answers it, once its records are written
+            me.reporter.flush()  # its STARTED and progress records are written before Celery writes its result
 
 
 @dataclass
 class Delivery:
     """One delivery of one request to this pool child: what it asks for and who computes it."""
 
-    task: object  # the bound Celery task: its request
+    context: object  # Celery's request context of this delivery (`task.request` moves on to the next request)
     req: GenerateRequest
     image: object  # the first frame (PIL), or None
     params: dict  # the effective inputs, as reported back
@@ -108,6 +118,8 @@ class Delivery:
     step: int = 0  # the denoising step last reached, of total_steps
     total_steps: int = 0
     released: bool = False  # its fence, with the completion's record (store)
+    inference_s: float = 0.0  # how long compute() took
+    cost: object = None  # the pipeline's RunStats of this request
 
     @classmethod
     def of(cls, task, kwargs: dict, started: float) -> "Delivery":
@@ -131,7 +143,7 @@ class Delivery:
         # Checked by validate_request, with the deployment's policy: only read here.
         webhook = check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=False,
                                 tenant=kwargs.get("tenant"))
-        return cls(task=task, req=req, image=image, params=params,
+        return cls(context=task.request, req=req, image=image, params=params,
                    input_key=input_key(params, SETTINGS.model, pipeline.served(req)),
                    request_id=req.request_id or task.request.id,
                    token=FenceToken(task.request.hostname, os.getpid(), task.request.id), started=started,
@@ -158,7 +170,7 @@ class Delivery:
             return {**done, "redelivered": True}
         if answer.ours:
             return None
-        me.uncount_attempt(self.task.request.id)
+        me.uncount_attempt(self.context.id)
         raise Parked(f"request {self.request_id} is being computed by {answer.owner}; parked until its fence is free")
 
     def still_ours(self, answer: FenceAnswer) -> None:
@@ -179,9 +191,9 @@ class Delivery:
         me = child.current()
         if not me.fences.clear(self.token):
             answer = lease.acquire_unless(me.redis, self.fence, self.token, SETTINGS.lease_s,
-                                          CANCEL_KEY + self.task.request.id)
+                                          CANCEL_KEY + self.context.id)
             if answer.state == FenceState.CANCELLED:
-                raise RequestCancelled(f"request {self.task.request.id} was cancelled at step {step} of {total}")
+                raise RequestCancelled(f"request {self.context.id} was cancelled at step {step} of {total}")
             self.still_ours(answer)
         self.step, self.total_steps = step, total
         last = step == total  # the pipeline decodes next
@@ -196,42 +208,85 @@ class Delivery:
         if phase != self.phase:
             self.phase, self.phase_started_at = phase, now
         self.reported = time.monotonic()
-        child.current().reporter.put(self.task.request.id, RequestState.PROGRESS, Progress(
+        child.current().reporter.put(self.context.id, RequestState.PROGRESS, Progress(
             phase=phase, phase_started_at=self.phase_started_at, step=self.step, total_steps=self.total_steps,
-            replica=self.token.replica, request_id=self.request_id, pid=self.token.pid), self.task.request)
+            replica=self.token.replica, request_id=self.request_id, pid=self.token.pid), self.context)
 
     def tell(self, event: Event, **fields) -> None:
         """Queue a webhook event of this request, if it asks for it: a Redis write, never a wait on the receiver
         (the replica's main process sends it)."""
-        emit(child.current().redis, self.webhook, event, task_id=self.task.request.id, request_id=self.request_id,
+        emit(child.current().redis, self.webhook, event, task_id=self.context.id, request_id=self.request_id,
              replica=self.token.replica, **fields)
 
-    def run(self) -> tuple[bytes, Result]:
-        """Denoise, decode and encode: the MP4 and its Result (without its video_uri: the store sets it)."""
+    def compute(self) -> np.ndarray:
+        """Denoise and decode: the frames."""
         pipeline = child.current().pipeline
         inference_started = time.time()
         frames = pipeline.generate(self.req, self.image, on_step=self.on_step)
-        inferred, cost = time.time(), pipeline.last_run
+        self.inference_s, self.cost = time.time() - inference_started, pipeline.last_run
+        return frames
+
+    def encode(self, frames: np.ndarray) -> tuple[bytes, Result]:
+        """The MP4 and its Result (without its video_uri: the store sets it)."""
+        pipeline = child.current().pipeline
         self.report(Phase.ENCODING)
+        encoding, cost = time.time(), self.cost
         # A GPU waits while its replica encodes, and the host's cores are free then; a CPU replica's are not.
         threads = SETTINGS.encode_threads if pipeline.device == "cuda" else SETTINGS.threads
         video = encode_mp4(frames, self.req.fps, threads=threads)
         encoded = time.time()
-        sent_at = self.task.request.get("replicadp_sent_at")
+        sent_at = self.context.get("replicadp_sent_at")
         return video, Result(
             request_id=self.request_id, replica=self.token.replica, device=describe_device(pipeline.device),
             model=SETTINGS.model, params=self.params, input_key=self.input_key, frames_sha256=frames_sha256(frames),
             video_sha256=hashlib.sha256(video).hexdigest(),
             timings={
                 "queued_s": round(self.started - sent_at, 4) if sent_at else None,
-                "inference_s": round(inferred - inference_started, 4),
+                "inference_s": round(self.inference_s, 4),
                 "dit_s": round(cost.dit_s, 4) if cost.dit_s is not None else None,
-                "encode_s": round(encoded - inferred, 4),
+                "encode_s": round(encoded - encoding, 4),
                 "total_s": round(time.time() - self.started, 4),
             },
             dit_flops=cost.dit_flops, peak_memory_gib=cost.peak_memory_gib,
             served=pipeline.served(self.req), execution=str(self.token),
-            redelivered=bool(self.task.request.delivery_info.get("redelivered")))
+            redelivered=bool(self.context.delivery_info.get("redelivered")))
+
+    def finish(self, frames: np.ndarray) -> None:
+        """In the finisher thread (finisher.py), while the replica computes its next request: encode and store the
+        video, then answer the request as Celery would have, had the task returned or raised: its result (or
+        failure) record, its `failed` webhook event, its task event for Flower; last, acknowledge its message. A
+        delivery that lost its fence exits the process here too (still_ours). An answer that cannot be written
+        (Redis gone for longer than REPLICADP_REDIS_OUTAGE) ends the process, so that the message goes back to
+        the queue: acknowledged, the request would have no answer."""
+        me, started = child.current(), time.monotonic()
+        failure = None
+        try:
+            try:
+                stored = self.store(*self.encode(frames))
+                self.tell(Event.COMPLETED, result=stored)
+            finally:
+                me.fences.unwatch(self.token)
+                if not self.released:
+                    lease.release(me.redis, self.fence, self.token)
+                me.reporter.flush()  # its progress records are written before its answer
+        except Exception as exc:
+            failure = exc
+            log.error("request %s failed: %r", self.request_id, exc, exc_info=not isinstance(exc, ReplicaDPError))
+        try:
+            if failure is None:
+                generate.backend.mark_as_done(self.context.id, stored, request=self.context)
+                me.finisher.send_event("task-succeeded", uuid=self.context.id, result=saferepr(stored),
+                                       runtime=time.monotonic() - started)
+            else:
+                generate.backend.mark_as_failure(self.context.id, failure, request=self.context)
+                signals.task_failure.send(sender=generate, task_id=self.context.id, exception=failure, args=(),
+                                          kwargs=self.context.kwargs, traceback=None, einfo=None)
+                me.finisher.send_event("task-failed", uuid=self.context.id, exception=saferepr(failure))
+            me.acknowledge(self.context.properties["delivery_tag"])
+        except Exception:
+            log.exception("request %s: cannot write its answer; the pool child exits, the request is requeued",
+                          self.request_id)
+            os._exit(EXIT_UNANSWERED)
 
     def store(self, video: bytes, result: Result) -> Result:
         """Store the video and its Result unless another delivery stored first; the stored Result."""
@@ -239,21 +294,21 @@ class Delivery:
         self.report(Phase.STORING)
         # Ask Redis itself, once more, before the write: decoding and encoding checked neither fence nor cancel.
         answer = lease.acquire_unless(me.redis, self.fence, self.token, SETTINGS.lease_s,
-                                      CANCEL_KEY + self.task.request.id)
+                                      CANCEL_KEY + self.context.id)
         if answer.state == FenceState.CANCELLED:
-            raise RequestCancelled(f"request {self.task.request.id} was cancelled after its last step; its video "
+            raise RequestCancelled(f"request {self.context.id} was cancelled after its last step; its video "
                                    "was not stored")
         self.still_ours(answer)
 
         def put() -> tuple[Result, bool]:
             stored = me.store.put(self.request_id, video, result)  # the first to store wins: this one, or another
-            return stored, me.record_completion(self.request_id, self.task.request.id, self.fence, self.token)
+            return stored, me.record_completion(self.request_id, self.context.id, self.fence, self.token)
         # A failover keeps the stored result (REPLICADP_STORE=redis) and the completion: a redelivery returns it.
         stored, cancelled = replication.durable(me.redis, put, f"request {self.request_id}'s result")
         self.released = not cancelled
         if cancelled:  # while it stored: nobody wants it
             me.store.delete(self.request_id)
-            raise RequestCancelled(f"request {self.task.request.id} was cancelled as its video was stored; the "
+            raise RequestCancelled(f"request {self.context.id} was cancelled as its video was stored; the "
                                    "video was removed")
         if stored["execution"] != result["execution"]:  # another delivery computed it too
             me.redis.hincrby(STATS_KEY, "duplicate_executions", 1)

@@ -33,7 +33,8 @@ from kombu.transport import virtual
 
 from . import child, logs, transport, webhooks
 from .app import app
-from .errors import Parked
+from .errors import Finishing, Parked
+from .finisher import Finisher
 from .heartbeat import Heartbeat, Running
 from .keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
 from .lease import FenceKeeper, Keeper
@@ -213,7 +214,9 @@ class ReplicaRequest(Request):
     requests until a replacement child has loaded the model; a request lost with its child goes back to the
     head of the queue (Celery's own requeue would put it at the back, behind requests sent after it). A request
     whose delivery was parked (errors.Parked: another delivery computes its request_id) leaves its message in
-    Redis, parked on that request's fence (lease.Keeper.park), and frees the replica."""
+    Redis, parked on that request's fence (lease.Keeper.park), and frees the replica. So does a request whose
+    frames are computed and whose pool child finishes it (errors.Finishing), but its message stays this
+    replica's (lease.Keeper.finishing) until the child acknowledges it."""
 
     def _settle_here(self) -> None:
         """Settle the message in this process only, leaving Redis as it is: Celery's ack would remove it from
@@ -223,7 +226,11 @@ class ReplicaRequest(Request):
 
     def on_failure(self, exc_info, send_failed_event=True, return_ok=False):
         exc = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrap ExceptionWithTraceback
-        if isinstance(exc, Parked) and MAIN.keeper is not None:
+        if isinstance(exc, Finishing) and MAIN.keeper is not None:
+            worker_state.task_ready(self)
+            MAIN.keeper.finishing(self)  # held, as a running request is, until the pool child acknowledges it
+            self._settle_here()
+        elif isinstance(exc, Parked) and MAIN.keeper is not None:
             worker_state.task_ready(self)  # first: the lease thread renews the holders of the requests it lists
             try:
                 MAIN.keeper.park(self)
@@ -261,14 +268,17 @@ def _pause(why: str) -> None:
 
 @signals.worker_process_shutdown.connect
 def _end_followers(**_):
-    """In a pool child that ends normally (a warm shutdown, a recycle): end its follower ranks and remove their
-    rendezvous file (parallel.py), instead of leaving them to PDEATHSIG and the file to the next group's sweep."""
+    """In a pool child that ends normally (a warm shutdown, a recycle): answer the request its finisher holds, if
+    any (else its message would wait for a sweep to go back to the queue, and be computed again); then end its
+    follower ranks and remove their rendezvous file (parallel.py), instead of leaving them to PDEATHSIG and the
+    file to the next group's sweep."""
     try:
-        followers = child.current().pipeline.followers
+        me = child.current()
     except RuntimeError:  # it never loaded
         return
-    if followers is not None:
-        followers.close()
+    me.finisher.drain()
+    if me.pipeline.followers is not None:
+        me.pipeline.followers.close()
 
 
 def _end_attempt(why: str) -> None:
@@ -294,11 +304,13 @@ def _load_then_consume(**_):
         os.kill(os.getppid(), signal.SIGQUIT)
         os._exit(1)
     fences, reporter = FenceKeeper(SETTINGS.redis_url, SETTINGS.lease_s), Reporter(app.backend)
+    finisher = Finisher(app, name)
     me = child.PoolChild(pipeline, store, outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s), fences,
-                         reporter)
+                         reporter, finisher)
     child.become(me)
     threading.Thread(target=fences.run, name="replicadp-fence", daemon=True).start()
     threading.Thread(target=reporter.run, name="replicadp-reporter", daemon=True).start()
+    threading.Thread(target=finisher.run, name="replicadp-finisher", daemon=True).start()
     info = ReplicaInfo(name=name, model=SETTINGS.model, device=describe_device(pipeline.device),
                        size_multiple=pipeline.size_multiple, accepts_image=pipeline.accepts_image,
                        requires_image=pipeline.requires_image, experts=pipeline.expert_count,

@@ -37,15 +37,18 @@ def instant(redis_db):
 @contextmanager
 def monitored(url: str):
     """Every command the server runs meanwhile (MONITOR), as (client address, command), scripts' own calls left
-    out."""
-    seen, ready, stop = [], threading.Event(), threading.Event()
+    out. It ends at a marker command sent last, so that every command before it is read, however far behind the
+    reading thread is."""
+    seen, ready, marker = [], threading.Event(), f"end-of-monitor-{uuid.uuid4()}"
     client = redis.Redis.from_url(url)
 
     def watch():
         with client.monitor() as monitor:
             ready.set()
-            while not stop.is_set():
+            while True:
                 command = monitor.next_command()
+                if marker in command["command"]:
+                    return
                 if command.get("client_type") != "lua":
                     seen.append((f"{command['client_address']}:{command['client_port']}", command["command"]))
 
@@ -55,9 +58,9 @@ def monitored(url: str):
     try:
         yield seen
     finally:
-        stop.set()
-        client.ping()  # a command for the monitor to see: it wakes up and ends
-        watcher.join(10)
+        client.execute_command("ECHO", marker)
+        watcher.join(30)
+        assert not watcher.is_alive(), "the monitor never saw its end marker"
 
 
 def naming(seen, *names) -> list[str]:
@@ -150,4 +153,4 @@ def test_the_fence_keeper_hears_a_cancel_at_once_and_sees_a_lost_fence_at_its_ti
         else:
             client.set(fence, "another@host:1:other", px=6000)
             wait_for(lambda: not keeper.clear(tok), "the keeper to see the fence taken", interval=0.05)
-        keeper.current = None
+        keeper.unwatch(tok)

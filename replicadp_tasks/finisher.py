@@ -1,0 +1,53 @@
+"""The pool child's finisher: a thread that ends one request (its encode, store and result, tasks.Delivery.finish)
+while the pipeline computes the next. A GPU would otherwise sit idle through its replica's encode: hundreds of
+milliseconds at 832x480, where a few-step request computes in one or two seconds (docs/benchmarks.md, section 15).
+
+One request at a time: `submit` waits until the previous one is finished, so a replica holds at most the request
+it computes and the one it finishes, and no more than one request's frames wait in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+
+log = logging.getLogger("replicadp")
+
+
+class Finisher:
+    def __init__(self, app, hostname: str):
+        self.jobs: queue.Queue = queue.Queue()
+        self.app, self.hostname = app, hostname  # the Celery app and the replica's name, for its task events
+        self.dispatcher = None  # Celery's event dispatcher, made in this thread when its first event is sent
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run `job` in the finisher's thread, once the one before it is done."""
+        self.jobs.join()
+        self.jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until the request being finished, if any, is."""
+        self.jobs.join()
+
+    def send_event(self, kind: str, **fields) -> None:
+        """From the finisher's thread: send a task event (`task-succeeded`, `task-failed`) as the replica's main
+        process sends the others, for Flower and `replicadp metrics`; one that cannot be sent is logged."""
+        if not self.app.conf.worker_send_task_events:
+            return
+        try:
+            if self.dispatcher is None:
+                self.dispatcher = self.app.events.Dispatcher(self.app.connection_for_write(), hostname=self.hostname)
+            self.dispatcher.send(kind, **fields)
+        except Exception as exc:  # news for a dashboard: the request's answer is written already
+            log.warning("finisher: cannot send %s: %s", kind, exc)
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                job()
+            except Exception:  # a job answers its own request's failures: this is a bug, and the thread goes on
+                log.exception("finisher: a request's finish failed")
+            finally:
+                self.jobs.task_done()
