@@ -258,8 +258,7 @@ class Delivery:
         delivery that lost its fence exits the process here too (still_ours). An answer that cannot be written
         (Redis gone for longer than REPLICADP_REDIS_OUTAGE) ends the process, so that the message goes back to
         the queue: acknowledged, the request would have no answer."""
-        me, started = child.current(), time.monotonic()
-        failure = None
+        me, failure = child.current(), None
         try:
             try:
                 stored = self.store(*self.encode(frames))
@@ -276,7 +275,7 @@ class Delivery:
             if failure is None:
                 generate.backend.mark_as_done(self.context.id, stored, request=self.context)
                 me.finisher.send_event("task-succeeded", uuid=self.context.id, result=saferepr(stored),
-                                       runtime=time.monotonic() - started)
+                                       runtime=time.time() - self.started)
             else:
                 generate.backend.mark_as_failure(self.context.id, failure, request=self.context)
                 signals.task_failure.send(sender=generate, task_id=self.context.id, exception=failure, args=(),
