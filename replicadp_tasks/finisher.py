@@ -3,7 +3,8 @@ while the pipeline computes the next. A GPU would otherwise sit idle through its
 milliseconds at 832x480, where a few-step request computes in one or two seconds (docs/benchmarks.md, section 15).
 
 One request at a time: `submit` waits until the previous one is finished, so a replica holds at most the request
-it computes and the one it finishes, and no more than one request's frames wait in memory.
+it computes and the one it finishes, and at most two requests' frames are in memory (the one being finished, and
+the next one's, computed, waiting for it).
 """
 
 from __future__ import annotations

@@ -258,9 +258,9 @@ class Keeper:
             time.sleep(max(0.0, TICK_S - (time.monotonic() - started)))
 
     def tick(self, held) -> None:
-        """Renew this replica's heartbeat, its holders and the fences of its running requests; release the
-        fences of requests that ended here (a pool child killed mid-request cannot release its own, and its
-        requeued request must not wait a lease for it); then sweep.
+        """Renew this replica's heartbeat, its holders and the fences of its running and finishing requests
+        (settle_finishing first); release the fences of requests that ended here (a pool child killed mid-request
+        cannot release its own, and its requeued request must not wait a lease for it); then sweep.
         `held()`: the Celery requests this process holds."""
         try:
             self.settle_finishing()

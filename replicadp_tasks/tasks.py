@@ -45,7 +45,9 @@ EXIT_UNANSWERED = 77  # ... whose finisher could not write a request's answer: t
 
 @app.task(name="replicadp.generate", bind=True, Request="replicadp_tasks.worker:ReplicaRequest")
 def generate(self, prompt=None, **kwargs) -> Result:
-    """Generate one video; returns its Result (metadata: the bytes go to the output store)."""
+    """Generate one video: compute its frames, then hand them to the finisher thread, which encodes, stores and
+    answers it (errors.Finishing). A request answered here returns its Result (stored before) or raises (refused,
+    cancelled, poison)."""
     started, me, task_id = time.time(), child.current(), self.request.id
     # 1. Can this replica's ranks serve it? An earlier request that ran out of memory on one of them left them
     #    apart: end the pool child before this request is counted; it is requeued and the next child rebuilds.
