@@ -59,7 +59,6 @@ class PoolChild:
         release_unless(pipe, fence, tok, CANCEL_KEY + task_id)
         return not pipe.execute()[2]
 
-
     def acknowledge(self, delivery_tag: str) -> None:
         """Acknowledge a message as its replica's main process would (kombu's `unacked` and its index), for a
         request that the finisher answered (errors.Finishing). The main process's lease thread then forgets it."""

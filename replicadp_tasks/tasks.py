@@ -94,8 +94,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
                             "answers it")
         finally:
             if not finishing:
-                me.fences.unwatch(delivery.token)
-                lease.release(me.redis, delivery.fence, delivery.token)
+                delivery.let_go()
     finally:
         if not finishing:  # else the finisher answers it, once its records are written
             me.reporter.flush()  # its STARTED and progress records are written before Celery writes its result
@@ -174,6 +173,13 @@ class Delivery:
             return None
         me.uncount_attempt(self.context.id)
         raise Parked(f"request {self.request_id} is being computed by {answer.owner}; parked until its fence is free")
+
+    def let_go(self) -> None:
+        """The request has ended here: stop keeping its fence, and release it unless the completion's record did."""
+        me = child.current()
+        me.fences.unwatch(self.token)
+        if not self.released:
+            lease.release(me.redis, self.fence, self.token)
 
     def still_ours(self, answer: FenceAnswer) -> None:
         """Exit the process unless this delivery still holds the fence. A Redis restart may have expired it (then
@@ -266,9 +272,7 @@ class Delivery:
                 stored = self.store(*self.encode(frames))
                 self.tell(Event.COMPLETED, result=stored)
             finally:
-                me.fences.unwatch(self.token)
-                if not self.released:
-                    lease.release(me.redis, self.fence, self.token)
+                self.let_go()
                 me.reporter.flush()  # its progress records are written before its answer
         except Exception as exc:
             failure = exc

@@ -211,7 +211,7 @@ def s3_server():
 
     try:
         wait_for(answers, "moto's S3 server to answer")
-        yield SimpleNamespace(url=url, client=client, pid=proc.pid)
+        yield SimpleNamespace(url=url, client=client)
     finally:
         proc.terminate()
         try:

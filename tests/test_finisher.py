@@ -108,7 +108,7 @@ def stored_pairs(r) -> list[str]:
 
 
 def test_the_next_request_is_computed_while_the_one_before_is_stored(one_replica):
-    """With the store stopped, request A waits in its finish (phase storing, no answer), and the replica computes
+    """With the store's writes held, request A waits in its finish (phase storing, no answer), and the replica computes
     request B meanwhile, to its last step; a third request, C, stays queued: the replica holds the request it
     computes and the one it finishes, no more. Once the store goes on, all three succeed, each stored once."""
     r = one_replica

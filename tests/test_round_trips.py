@@ -1,7 +1,8 @@
 """What a request asks of Redis (issue #38, docs/benchmarks.md section 15): a denoising step asks nothing while all
 is well (the fence keeper's last look answers it), a cancel reaches the fence keeper at once, each record of a
 request is one round trip that never replaces a success, the holder of a message is recorded in the
-transaction that records its delivery, and the fence is released in the round trip that records the completion. Read from what the server itself sees (MONITOR), on real replicas."""
+transaction that records its delivery, and the fence is released in the round trip that records the completion.
+Read from what the server itself sees (MONITOR), on real replicas."""
 
 import os
 import threading
