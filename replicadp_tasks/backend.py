@@ -5,6 +5,10 @@ is SUCCESS (a lost duplicate must not overwrite a result), then writes and publi
 of a request's records (STARTED, each PROGRESS, the result). Here one script does the three, atomically: the same
 rule, and no write can slip in between the read and the write.
 
+An answer (a SUCCESS, FAILURE or REVOKED state) is kept across a Redis failover: written until replicas hold it
+(replication.durable), as the message is acknowledged after it, on another connection, which may already reach
+the new primary while this one wrote to the old. Progress and STARTED are written again soon and not waited for.
+
 Sentinel: connections that leave a server that stopped being the master. Celery's own drops a connection on
 READONLY only, so a result or progress write on a connection kept from before a failover reached the resumed old
 master, which refused it (NOREPLICAS), and failed the request; here the write goes to the new master instead.
@@ -18,6 +22,7 @@ from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from celery.backends.redis import SentinelBackend as CelerySentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
+from . import replication
 from .connection import MasterConnection
 
 # KEYS[1]: the result key; ARGV: the encoded result, its lifetime in seconds (0: none), SUCCESS. Returns 0 (and
@@ -40,7 +45,11 @@ class RedisBackend(CeleryRedisBackend):
         if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
         expires = self.failure_expires if state == states.FAILURE else self.expires
-        self.ensure(self._store, (self.get_key_for_task(task_id), value, int(expires or 0)))
+        args = (self.get_key_for_task(task_id), value, int(expires or 0))
+        if state in states.READY_STATES:
+            replication.durable(self.client, lambda: self.ensure(self._store, args), f"request {task_id}'s {state}")
+        else:
+            self.ensure(self._store, args)
         return result
 
     def _store(self, key, value, expires: int) -> None:

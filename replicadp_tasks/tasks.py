@@ -287,7 +287,10 @@ class Delivery:
                 signals.task_failure.send(sender=generate, task_id=self.context.id, exception=failure, args=(),
                                           kwargs=self.context.kwargs, traceback=None, einfo=None)
                 me.finisher.send_event("task-failed", uuid=self.context.id, exception=saferepr(failure))
-            me.acknowledge(self.context.properties["delivery_tag"])
+            # Kept across a failover: the lease thread holds the message for as long as its unacked record
+            # stays and this process lives, so a lost acknowledgement would hold it there for good.
+            replication.durable(me.redis, lambda: me.acknowledge(self.context.properties["delivery_tag"]),
+                                f"request {self.request_id}'s acknowledgement")
         except Exception:
             log.exception("request %s: cannot write its answer; the pool child exits, the request is requeued",
                           self.request_id)

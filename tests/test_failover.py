@@ -231,3 +231,43 @@ def test_a_request_sent_to_a_stopped_primary_is_queued_on_the_new_one(ha):
     client = outage_tolerant(ha.url, 30)  # the new primary refuses connections until a replica follows it
     queued = b"".join(m for key in queue_lists(SETTINGS.queue) for m in client.lrange(key, 0, -1))
     assert first.encode() in queued and second.encode() in queued
+
+
+ANSWERER = """
+import sys
+from replicadp_tasks.app import app
+app.backend.mark_as_done("answered-before-the-stop", {"n": 1})
+print("answered", flush=True)
+sys.stdin.readline()
+app.backend.mark_as_done("answered-during-the-stop", {"n": 2})
+print("answered", flush=True)
+"""
+
+
+def test_an_answer_written_to_a_stopped_primary_is_kept_on_the_new_one(ha):
+    """A request's answer (its SUCCESS state, as a replica's finisher writes it) written while the primary is
+    stopped, which resumes once Sentinel promotes a replica: the old primary may take it, unacknowledged, in the
+    second after it resumes; the writer makes it again through the new primary before it returns (had been: lost,
+    while the message's acknowledgement, on another connection, reached the new primary; the job stayed
+    `in_progress` for ever)."""
+    old = ha.primary()
+    pid = ha.server_pid(old)
+    answerer = subprocess.Popen([sys.executable, "-c", ANSWERER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "REDIS_URL": ha.url})
+    try:
+        assert answerer.stdout.readline() == "answered\n"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            answerer.stdin.write("go\n")
+            answerer.stdin.flush()
+            wait_for(lambda: ha.master_address()[1] != old.port, "Sentinel to promote a replica", timeout=30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert answerer.stdout.readline() == "answered\n"
+        assert answerer.wait(timeout=60) == 0
+    finally:
+        answerer.kill()
+    client = outage_tolerant(ha.url, 30)
+    for task_id in ("answered-before-the-stop", "answered-during-the-stop"):
+        meta = client.get(f"celery-task-meta-{task_id}")
+        assert meta is not None and json.loads(meta)["status"] == "SUCCESS", (task_id, meta)
