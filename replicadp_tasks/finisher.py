@@ -2,6 +2,9 @@
 while the pipeline computes the next. A GPU would otherwise sit idle through its replica's encode: hundreds of
 milliseconds at 832x480, where a few-step request computes in one or two seconds (docs/benchmarks.md, section 15).
 
+On a GPU replica it runs below the process's priority (REPLICADP_FINISHER_NICE): where replicas share too few
+cores, the next request's hand-over to the GPU runs before this encode.
+
 One request at a time: `submit` waits until the previous one is finished, so a replica holds at most the request
 it computes and the one it finishes, and at most two requests' frames are in memory (the one being finished, and
 the next one's, computed, waiting for it).
@@ -10,16 +13,20 @@ the next one's, computed, waiting for it).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger("replicadp")
 
 
 class Finisher:
-    def __init__(self, app, hostname: str):
+    def __init__(self, app, hostname: str, nice: int = 0):
         self.jobs: queue.Queue = queue.Queue()
         self.app, self.hostname = app, hostname  # the Celery app and the replica's name, for its task events
+        self.nice = nice  # added to the thread's nice value (x264's threads inherit it): settings.finisher_nice
         self.dispatcher = None  # Celery's event dispatcher, made in this thread when its first event is sent
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -44,6 +51,9 @@ class Finisher:
             log.warning("finisher: cannot send %s: %s", kind, exc)
 
     def run(self) -> None:
+        if self.nice and sys.platform == "linux":  # a thread's own nice value; elsewhere the call sets the process's
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
         while True:
             job = self.jobs.get()
             try:

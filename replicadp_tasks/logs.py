@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import StrEnum
@@ -35,8 +37,10 @@ class Running:
 
 
 # The request this process runs. A global, not a contextvar: every thread of a pool child (the fence keeper's
-# too) logs about the request the child runs, and a pool child runs one request at a time (concurrency 1).
+# too) logs about the request the child computes (one at a time: concurrency 1), except the finisher's, which
+# ends the one before it and names that one (`finishing`).
 _running: Running | None = None
+_finishing = threading.local()
 
 
 def request_started(task_id: str, request_id: str) -> None:
@@ -47,6 +51,16 @@ def request_started(task_id: str, request_id: str) -> None:
 def request_ended() -> None:
     global _running
     _running = None
+
+
+@contextmanager
+def finishing(task_id: str, request_id: str):
+    """The lines this thread logs meanwhile name this request, not the one the pool child computes."""
+    _finishing.running = Running(task_id, request_id)
+    try:
+        yield
+    finally:
+        _finishing.running = None
 
 
 # A gateway route about one job (a job id is its task id): /v1/videos/{id} and /v1/videos/{id}/content.
@@ -76,7 +90,7 @@ class Context(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.role, record.replica = self.role, self.replica
-        running = _running
+        running = getattr(_finishing, "running", None) or _running
         if running is not None:
             record.task_id, record.request_id = running.task_id, running.request_id
         else:

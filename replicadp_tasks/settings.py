@@ -47,6 +47,13 @@ def _at_least(name: str, default: int, low: int) -> int:
     return value
 
 
+def _nice(name: str, default: int) -> int:
+    value = _int(name, default)
+    if not 0 <= value <= 19:
+        raise SystemExit(f"replicadp: environment variable {name}={value} is not a nice increment from 0 to 19")
+    return value
+
+
 def _optional(name: str, kind: type[int] | type[float]) -> int | float | None:
     """A number, or None when unset or empty (the default then depends on another setting)."""
     raw = os.environ.get(name, "").strip()
@@ -136,6 +143,7 @@ class Settings:
     result_ttl_s: int
     threads: int
     encode_threads: int
+    finisher_nice: int
     vae_tiling: bool
     attention: str
     compile: str
@@ -198,10 +206,15 @@ class Settings:
             result_ttl_s=_int("REPLICADP_RESULT_TTL", 86400),
             # CPU replicas: threads per replica, so that N replicas share the cores without oversubscription.
             threads=_int("REPLICADP_THREADS", 1),
-            # libx264's threads on a GPU replica: its GPU waits while it encodes and the host's cores are free
-            # (832x480x33: 426 ms on one thread, 288 ms on two of this 2-core machine). Fixed, not x264's count
-            # from the cores: the count changes the bytes. A CPU replica encodes on its REPLICADP_THREADS.
+            # libx264's threads on a GPU replica, whose host has cores to spare: each request ends sooner, and the
+            # finisher keeps ahead of few-step requests (832x480x33: 426 ms on one thread, 288 ms on two of this
+            # 2-core machine). Fixed, not x264's count from the cores: the count changes the bytes. A CPU replica
+            # encodes on its REPLICADP_THREADS.
             encode_threads=_at_least("REPLICADP_ENCODE_THREADS", 4, 1),
+            # A GPU replica's finisher (its encode) is off the GPU's path, its next request's hand-over on it:
+            # where replicas share too few cores, the kernel runs the hand-over first (docs/benchmarks.md,
+            # section 15). 0: equal.
+            finisher_nice=_nice("REPLICADP_FINISHER_NICE", 10),
             # Decoding 832x480 in tiles lowers the VAE's peak memory at some speed cost; off by default.
             vae_tiling=_bool("REPLICADP_VAE_TILING", False),
             # diffusers' attention backend for the transformer ("native": torch's SDPA, which picks flash or

@@ -19,7 +19,7 @@ import numpy as np
 from celery import signals
 from celery.utils.saferepr import saferepr
 
-from . import child, lease, replication
+from . import child, lease, logs, replication
 from .app import app
 from .errors import (Finishing, GroupLost, InvalidRequest, Parked, PoisonRequest, ReplicaDPError, RequestCancelled,
                      RequestIdConflict)
@@ -239,7 +239,7 @@ class Delivery:
         pipeline = child.current().pipeline
         self.report(Phase.ENCODING)
         encoding, cost = time.time(), self.cost
-        # A GPU waits while its replica encodes, and the host's cores are free then; a CPU replica's are not.
+        # A GPU replica's host has cores to spare beside its pipeline; a CPU replica's compute the other replicas'.
         threads = SETTINGS.encode_threads if pipeline.device == "cuda" else SETTINGS.threads
         video = encode_mp4(frames, self.req.fps, threads=threads)
         encoded = time.time()
@@ -266,35 +266,36 @@ class Delivery:
         delivery that lost its fence exits the process here too (still_ours). An answer that cannot be written
         (Redis gone for longer than REPLICADP_REDIS_OUTAGE) ends the process, so that the message goes back to
         the queue: acknowledged, the request would have no answer."""
-        me, failure = child.current(), None
-        try:
+        with logs.finishing(self.context.id, self.request_id):  # not the request the pool child computes now
+            me, failure = child.current(), None
             try:
-                stored = self.store(*self.encode(frames))
-                self.tell(Event.COMPLETED, result=stored)
-            finally:
-                self.let_go()
-                me.reporter.flush()  # its progress records are written before its answer
-        except Exception as exc:
-            failure = exc
-            log.error("request %s failed: %r", self.request_id, exc, exc_info=not isinstance(exc, ReplicaDPError))
-        try:
-            if failure is None:
-                generate.backend.mark_as_done(self.context.id, stored, request=self.context)
-                me.finisher.send_event("task-succeeded", uuid=self.context.id, result=saferepr(stored),
-                                       runtime=time.time() - self.started)
-            else:
-                generate.backend.mark_as_failure(self.context.id, failure, request=self.context)
-                signals.task_failure.send(sender=generate, task_id=self.context.id, exception=failure, args=(),
-                                          kwargs=self.context.kwargs, traceback=None, einfo=None)
-                me.finisher.send_event("task-failed", uuid=self.context.id, exception=saferepr(failure))
-            # Kept across a failover: the lease thread holds the message for as long as its unacked record
-            # stays and this process lives, so a lost acknowledgement would hold it there for good.
-            replication.durable(me.redis, lambda: me.acknowledge(self.context.properties["delivery_tag"]),
-                                f"request {self.request_id}'s acknowledgement")
-        except Exception:
-            log.exception("request %s: cannot write its answer; the pool child exits, the request is requeued",
-                          self.request_id)
-            os._exit(EXIT_UNANSWERED)
+                try:
+                    stored = self.store(*self.encode(frames))
+                    self.tell(Event.COMPLETED, result=stored)
+                finally:
+                    self.let_go()
+                    me.reporter.flush()  # its progress records are written before its answer
+            except Exception as exc:
+                failure = exc
+                log.error("request %s failed: %r", self.request_id, exc, exc_info=not isinstance(exc, ReplicaDPError))
+            try:
+                if failure is None:
+                    generate.backend.mark_as_done(self.context.id, stored, request=self.context)
+                    me.finisher.send_event("task-succeeded", uuid=self.context.id, result=saferepr(stored),
+                                           runtime=time.time() - self.started)
+                else:
+                    generate.backend.mark_as_failure(self.context.id, failure, request=self.context)
+                    signals.task_failure.send(sender=generate, task_id=self.context.id, exception=failure, args=(),
+                                              kwargs=self.context.kwargs, traceback=None, einfo=None)
+                    me.finisher.send_event("task-failed", uuid=self.context.id, exception=saferepr(failure))
+                # Kept across a failover: the lease thread holds the message for as long as its unacked record
+                # stays and this process lives, so a lost acknowledgement would hold it there for good.
+                replication.durable(me.redis, lambda: me.acknowledge(self.context.properties["delivery_tag"]),
+                                    f"request {self.request_id}'s acknowledgement")
+            except Exception:
+                log.exception("request %s: cannot write its answer; the pool child exits, the request is requeued",
+                              self.request_id)
+                os._exit(EXIT_UNANSWERED)
 
     def store(self, video: bytes, result: Result) -> Result:
         """Store the video and its Result unless another delivery stored first; the stored Result."""

@@ -195,6 +195,30 @@ def test_a_sentinel_killed_mid_batch_changes_nothing(ha, tmp_path):
     assert_nothing_lost(run)
 
 
+def written_through_a_stop(ha: HAStack, script: str) -> list[str]:
+    """Run `script` in a process of its own on the HA stack: it writes, prints a line, waits for a line on stdin,
+    writes again and prints a line. Its second write is sent while the primary is stopped, which resumes once
+    Sentinel has promoted a replica. Its two lines."""
+    old = ha.primary()
+    pid = ha.server_pid(old)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "REDIS_URL": ha.url})
+    try:
+        first = writer.stdout.readline().strip()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            writer.stdin.write("go\n")
+            writer.stdin.flush()
+            wait_for(lambda: ha.master_address()[1] != old.port, "Sentinel to promote a replica", timeout=30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        second = writer.stdout.readline().strip()
+        assert writer.wait(timeout=60) == 0
+    finally:
+        writer.kill()
+    return [first, second]
+
+
 PRODUCER = """
 import sys
 from replicadp_tasks import generate
@@ -210,23 +234,7 @@ def test_a_request_sent_to_a_stopped_primary_is_queued_on_the_new_one(ha):
     to a second after it resumes) but no replica acknowledges it, so the producer puts it again through the new
     primary before `apply_async` returns: both requests are queued there (had been: the second was lost with
     the old primary's data when it rejoined as a replica, its producer told it was queued)."""
-    old = ha.primary()
-    pid = ha.server_pid(old)
-    producer = subprocess.Popen([sys.executable, "-c", PRODUCER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env={**os.environ, "REDIS_URL": ha.url})
-    try:
-        first = producer.stdout.readline().strip()
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            producer.stdin.write("go\n")
-            producer.stdin.flush()
-            wait_for(lambda: ha.master_address()[1] != old.port, "Sentinel to promote a replica", timeout=30)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        second = producer.stdout.readline().strip()
-        assert producer.wait(timeout=60) == 0
-    finally:
-        producer.kill()
+    first, second = written_through_a_stop(ha, PRODUCER)
     assert first and second
     client = outage_tolerant(ha.url, 30)  # the new primary refuses connections until a replica follows it
     queued = b"".join(m for key in queue_lists(SETTINGS.queue) for m in client.lrange(key, 0, -1))
@@ -250,23 +258,7 @@ def test_an_answer_written_to_a_stopped_primary_is_kept_on_the_new_one(ha):
     second after it resumes; the writer makes it again through the new primary before it returns (had been: lost,
     while the message's acknowledgement, on another connection, reached the new primary; the job stayed
     `in_progress` for ever)."""
-    old = ha.primary()
-    pid = ha.server_pid(old)
-    answerer = subprocess.Popen([sys.executable, "-c", ANSWERER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env={**os.environ, "REDIS_URL": ha.url})
-    try:
-        assert answerer.stdout.readline() == "answered\n"
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            answerer.stdin.write("go\n")
-            answerer.stdin.flush()
-            wait_for(lambda: ha.master_address()[1] != old.port, "Sentinel to promote a replica", timeout=30)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        assert answerer.stdout.readline() == "answered\n"
-        assert answerer.wait(timeout=60) == 0
-    finally:
-        answerer.kill()
+    assert written_through_a_stop(ha, ANSWERER) == ["answered", "answered"]
     client = outage_tolerant(ha.url, 30)
     for task_id in ("answered-before-the-stop", "answered-during-the-stop"):
         meta = client.get(f"celery-task-meta-{task_id}")

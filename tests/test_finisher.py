@@ -16,9 +16,11 @@ import pytest
 import redis
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, progress, wait_for, wait_for_reload
+from test_logs import json_lines
 
 from client.api import _app_for, live_replicas
-from replicadp_tasks.keys import ATTEMPTS_KEY
+from replicadp_tasks.errors import RequestCancelled
+from replicadp_tasks.keys import ATTEMPTS_KEY, CANCEL_CHANNEL, CANCEL_KEY
 from replicadp_tasks.records import Phase, RequestState
 
 pytestmark = pytest.mark.cluster
@@ -67,23 +69,30 @@ class GateHandler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def one_replica(redis_db, s3_server, s3_bucket):
-    """One synthetic replica that stores into a bucket of the test's own on the session's S3 server, through a
-    gate (`.gate.open`)."""
+@contextmanager
+def gated_replica(url: str, s3_server, s3_bucket: str, name: str = "finisher", **env):
+    """One synthetic replica on `url` that stores into `s3_bucket` on the session's S3 server, through a gate
+    (`.gate.open`); `env`: more of its settings."""
     gate = Gate(s3_server.url)
     threading.Thread(target=gate.serve_forever, daemon=True).start()
-    url = redis_db()
-    group = start_replicas(1, url, "finisher", model=SYNTHETIC, REPLICADP_STORE="s3", REPLICADP_S3_BUCKET=s3_bucket,
-                           REPLICADP_S3_ENDPOINT_URL=gate.url)
     try:
-        yield SimpleNamespace(group=group, app=_app_for(url), redis=redis.Redis.from_url(url), s3=s3_server,
-                              bucket=s3_bucket, gate=gate, url=url)
+        group = start_replicas(1, url, name, model=SYNTHETIC, REPLICADP_STORE="s3", REPLICADP_S3_BUCKET=s3_bucket,
+                               REPLICADP_S3_ENDPOINT_URL=gate.url, **env)
+        try:
+            yield SimpleNamespace(group=group, app=_app_for(url), redis=redis.Redis.from_url(url), s3=s3_server,
+                                  bucket=s3_bucket, gate=gate, url=url)
+        finally:
+            gate.open.set()
+            group.stop()
     finally:
-        gate.open.set()
-        group.stop()
         gate.shutdown()
         gate.server_close()
+
+
+@pytest.fixture
+def one_replica(redis_db, s3_server, s3_bucket):
+    with gated_replica(redis_db(), s3_server, s3_bucket) as r:
+        yield r
 
 
 @contextmanager
@@ -161,3 +170,49 @@ def test_a_warm_shutdown_answers_the_request_being_finished(one_replica):
     assert not stopping.is_alive()
     assert a.get(timeout=5)["params"]["seed"] == 6
     assert int(r.redis.get(ATTEMPTS_KEY + a.id)) == 1
+
+
+def nice_values(pid: int) -> dict[int, int]:
+    """Each thread of process `pid`: its nice value, by thread id (/proc/PID/task/TID/stat, field 19)."""
+    values = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            values[int(task)] = int(stat.read().rsplit(")", 1)[1].split()[16])
+    return values
+
+
+def test_the_finisher_yields_the_cpu_to_the_next_request(one_replica):
+    """While request A waits in its finish, its pool child's finisher thread runs at nice 10
+    (REPLICADP_FINISHER_NICE; the synthetic backend computes off the CPU, as a GPU does), the thread that computes
+    requests at the process's own 0: where cores are short, the kernel runs the next request's hand-over first."""
+    r = one_replica
+    with closed(r.gate):
+        a = r.app.send_task("replicadp.generate", kwargs=lasting(0.25, prompt="a", seed=7))
+        info = wait_for(lambda: phase_of(r, a.id, "A to store") == Phase.STORING and progress(r.app, a.id, "A's pid"),
+                        "A to wait in its store", interval=0.02)
+        nice = nice_values(info["pid"])
+    assert nice.pop(info["pid"]) == 0, "the main thread"
+    assert 10 in nice.values(), nice
+    assert a.get(timeout=60)["params"]["seed"] == 7
+
+
+def test_the_finisher_logs_name_the_request_it_finishes(redis_db, s3_server, s3_bucket):
+    """In JSON logs, the line of a request that fails in its finish (A, cancelled while its video was stored) names
+    A, not B, the request its pool child computes meanwhile."""
+    with gated_replica(redis_db(), s3_server, s3_bucket, "finisher-logs", REPLICADP_LOG_FORMAT="json") as r:
+        with closed(r.gate):
+            a = r.app.send_task("replicadp.generate", kwargs=lasting(0.25, prompt="a", seed=8))
+            wait_for(lambda: phase_of(r, a.id, "A to store") == Phase.STORING, "A to wait in its store",
+                     interval=0.02)
+            b = r.app.send_task("replicadp.generate", kwargs=lasting(20, prompt="b", seed=9))
+            wait_for(lambda: phase_of(r, b.id, "B to compute") == Phase.DENOISING, "B to compute", interval=0.02)
+            r.redis.set(CANCEL_KEY + a.id, 1)
+        with pytest.raises(RequestCancelled):
+            a.get(timeout=60)
+        r.redis.set(CANCEL_KEY + b.id, 1)
+        r.redis.publish(CANCEL_CHANNEL, b.id)
+        with pytest.raises(RequestCancelled):
+            b.get(timeout=60)
+        log_path = r.group.log_path
+    failed = [line for line in json_lines(log_path) if line["message"].startswith(f"request {a.id} failed")]
+    assert failed and all(line.get("task_id") == a.id and line.get("request_id") == a.id for line in failed), failed
