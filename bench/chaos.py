@@ -169,7 +169,7 @@ class Chaos:
             return
         if kind == "poison":
             self.client().lpush(SETTINGS.queue, self.rng.choice(POISON))
-            self.faults.append({"kind": kind, "at": time.time(), "task_id": None})
+            self.faults.append({"kind": kind, "at": time.time(), "task_id": None, "down_s": 0.0})
             return
         busy = running(self.client())
         if not busy:
