@@ -51,7 +51,7 @@ class Finisher:
             log.warning("finisher: cannot send %s: %s", kind, exc)
 
     def run(self) -> None:
-        if self.nice and sys.platform == "linux":  # a thread's own nice value; elsewhere the call sets the process's
+        if self.nice and sys.platform == "linux":  # Linux gives each thread a nice value; elsewhere this takes a pid
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
         while True:

@@ -91,6 +91,7 @@ def gated_replica(url: str, s3_server, s3_bucket: str, name: str = "finisher", *
 
 @pytest.fixture
 def one_replica(redis_db, s3_server, s3_bucket):
+    """gated_replica on a database of the test's own."""
     with gated_replica(redis_db(), s3_server, s3_bucket) as r:
         yield r
 
