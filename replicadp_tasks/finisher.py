@@ -19,20 +19,23 @@ import sys
 import threading
 from collections.abc import Callable
 
+from . import logs
+
 log = logging.getLogger("replicadp")
 
 
 class Finisher:
-    def __init__(self, app, hostname: str, nice: int = 0):
+    def __init__(self, app, hostname: str, nice: int):
         self.jobs: queue.Queue = queue.Queue()
         self.app, self.hostname = app, hostname  # the Celery app and the replica's name, for its task events
         self.nice = nice  # added to the thread's nice value (x264's threads inherit it): settings.finisher_nice
         self.dispatcher = None  # Celery's event dispatcher, made in this thread when its first event is sent
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` in the finisher's thread, once the one before it is done."""
+    def submit(self, job: Callable[[], None], task_id: str, request_id: str) -> None:
+        """Run `job`, the finish of request `task_id` (`request_id`), in the finisher's thread, once the one before
+        it is done."""
         self.jobs.join()
-        self.jobs.put(job)
+        self.jobs.put((job, task_id, request_id))
 
     def drain(self) -> None:
         """Wait until the request being finished, if any, is."""
@@ -55,10 +58,11 @@ class Finisher:
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
         while True:
-            job = self.jobs.get()
-            try:
-                job()
-            except Exception:  # a job answers its own request's failures: this is a bug, and the thread goes on
-                log.exception("finisher: a request's finish failed")
-            finally:
-                self.jobs.task_done()
+            job, task_id, request_id = self.jobs.get()
+            with logs.finishing(task_id, request_id):  # its lines name it, not the request the child computes
+                try:
+                    job()
+                except Exception:  # a job answers its own request's failures: this is a bug, and the thread goes on
+                    log.exception("finisher: a request's finish failed")
+                finally:
+                    self.jobs.task_done()

@@ -19,7 +19,7 @@ import numpy as np
 from celery import signals
 from celery.utils.saferepr import saferepr
 
-from . import child, lease, logs, replication
+from . import child, lease, replication
 from .app import app
 from .errors import (Finishing, GroupLost, InvalidRequest, Parked, PoisonRequest, ReplicaDPError, RequestCancelled,
                      RequestIdConflict)
@@ -88,7 +88,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
                 os._exit(EXIT_GROUP_LOST)
             # 6. Encode, store and answer it in the finisher thread, once the request before it there is done
             #    (Delivery.finish); meanwhile this replica takes its next request.
-            me.finisher.submit(functools.partial(delivery.finish, frames))
+            me.finisher.submit(functools.partial(delivery.finish, frames), task_id, delivery.request_id)
             finishing = True
             raise Finishing(f"request {delivery.request_id}: frames computed; the finisher encodes, stores and "
                             "answers it")
@@ -266,36 +266,35 @@ class Delivery:
         delivery that lost its fence exits the process here too (still_ours). An answer that cannot be written
         (Redis gone for longer than REPLICADP_REDIS_OUTAGE) ends the process, so that the message goes back to
         the queue: acknowledged, the request would have no answer."""
-        with logs.finishing(self.context.id, self.request_id):  # not the request the pool child computes now
-            me, failure = child.current(), None
+        me, failure = child.current(), None
+        try:
             try:
-                try:
-                    stored = self.store(*self.encode(frames))
-                    self.tell(Event.COMPLETED, result=stored)
-                finally:
-                    self.let_go()
-                    me.reporter.flush()  # its progress records are written before its answer
-            except Exception as exc:
-                failure = exc
-                log.error("request %s failed: %r", self.request_id, exc, exc_info=not isinstance(exc, ReplicaDPError))
-            try:
-                if failure is None:
-                    generate.backend.mark_as_done(self.context.id, stored, request=self.context)
-                    me.finisher.send_event("task-succeeded", uuid=self.context.id, result=saferepr(stored),
-                                           runtime=time.time() - self.started)
-                else:
-                    generate.backend.mark_as_failure(self.context.id, failure, request=self.context)
-                    signals.task_failure.send(sender=generate, task_id=self.context.id, exception=failure, args=(),
-                                              kwargs=self.context.kwargs, traceback=None, einfo=None)
-                    me.finisher.send_event("task-failed", uuid=self.context.id, exception=saferepr(failure))
-                # Kept across a failover: the lease thread holds the message for as long as its unacked record
-                # stays and this process lives, so a lost acknowledgement would hold it there for good.
-                replication.durable(me.redis, lambda: me.acknowledge(self.context.properties["delivery_tag"]),
-                                    f"request {self.request_id}'s acknowledgement")
-            except Exception:
-                log.exception("request %s: cannot write its answer; the pool child exits, the request is requeued",
-                              self.request_id)
-                os._exit(EXIT_UNANSWERED)
+                stored = self.store(*self.encode(frames))
+                self.tell(Event.COMPLETED, result=stored)
+            finally:
+                self.let_go()
+                me.reporter.flush()  # its progress records are written before its answer
+        except Exception as exc:
+            failure = exc
+            log.error("request %s failed: %r", self.request_id, exc, exc_info=not isinstance(exc, ReplicaDPError))
+        try:
+            if failure is None:
+                generate.backend.mark_as_done(self.context.id, stored, request=self.context)
+                me.finisher.send_event("task-succeeded", uuid=self.context.id, result=saferepr(stored),
+                                       runtime=time.time() - self.started)
+            else:
+                generate.backend.mark_as_failure(self.context.id, failure, request=self.context)
+                signals.task_failure.send(sender=generate, task_id=self.context.id, exception=failure, args=(),
+                                          kwargs=self.context.kwargs, traceback=None, einfo=None)
+                me.finisher.send_event("task-failed", uuid=self.context.id, exception=saferepr(failure))
+            # Kept across a failover: the lease thread holds the message for as long as its unacked record
+            # stays and this process lives, so a lost acknowledgement would hold it there for good.
+            replication.durable(me.redis, lambda: me.acknowledge(self.context.properties["delivery_tag"]),
+                                f"request {self.request_id}'s acknowledgement")
+        except Exception:
+            log.exception("request %s: cannot write its answer; the pool child exits, the request is requeued",
+                          self.request_id)
+            os._exit(EXIT_UNANSWERED)
 
     def store(self, video: bytes, result: Result) -> Result:
         """Store the video and its Result unless another delivery stored first; the stored Result."""
