@@ -1,19 +1,25 @@
-"""What a request costs beyond its compute: one replica of `synthetic:0` (nothing to compute; 128x128, 33 frames)
-kept busy with 2 requests in flight, on the embedded server (`appendfsync always`). Per request: the time, the CPU
-time of each process (the client, the replica's main process, its pool child, Redis), Redis commands (in all and
-by name) and round trips (the server's reads), at 1 step and at more (the difference, per step); and where one
-request's time goes, from Celery's task events and the records its replica writes (docs/http.md, `phase`): the
-producer's send, the wait behind the request ahead (2 are in flight), the main process's hand-over to the pool
-child, inputs and fence, denoising, decoding (the synthetic frames), encoding, storing and the result, the client's
-wake-up (and beside it, the result's way back to the main process), and the pipeline's gap between two requests
-(from one's frames to the next one's start: what a GPU would idle).
+"""What a request costs beyond its compute: one replica of the synthetic backend (128x128, 33 frames) kept busy with
+2 requests in flight, on the embedded server (`appendfsync always`). Per request: the time (the first request sent
+to the last one answered, over the requests), the CPU time of each process (the client, the replica's main
+process, its pool child, Redis), Redis commands (in all and by name) and round trips (the server's reads), at 1
+step and at more (the difference, per step); and where one request's time goes, from Celery's task events and the
+records its replica writes (docs/http.md, `phase`): the producer's send, the wait behind the request ahead (2 are
+in flight), the main process's hand-over to the pool child, inputs and fence, denoising, decoding (the compute
+after the steps and the synthetic frames; with the finisher, also its wait for the next request's compute to
+begin), encoding, storing and the result, the client's wake-up (and beside it, the result's way back to the main
+process).
+
+`--compute-ms 0` (the default, `synthetic:0`): nothing to compute, so a request's time is all serving cost, the
+work a GPU host's CPUs do beside the GPU (the encode above all) included. `--compute-ms C` (`synthetic:0:C/1000`):
+each request computes for C ms off the CPU after its steps, as a GPU decodes its latents, and what a request costs
+beyond its compute is its time less C: the time the compute waits for.
 
 With `--baseline REV`, the same runs on commit REV (a git worktree: its replica, its client) in alternate rounds:
 before and after in one run. `--profile DIR` records the replica's two processes with py-spy (this tree, first
 round at 1 step) into flame graphs. Prints tables and writes JSON.
 
-    .venv/bin/python bench/serving_cost.py --requests 200 --rounds 3 --baseline be3e0a1 \\
-        --profile bench-results --out bench-results/serving-cost.json
+    .venv/bin/python bench/serving_cost.py --requests 200 --rounds 3 --compute-ms 50 --baseline 942ad0f \\
+        --out bench-results/serving-cost-round4-compute50.json
 """
 
 from __future__ import annotations
@@ -56,10 +62,11 @@ list(run_requests([make(i) for i in range(warm)], concurrency=2))
 print("warm", flush=True)
 sys.stdin.readline()
 cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-c0, t0 = cpu(), time.perf_counter()
+c0 = cpu()
 done = [(o.task_id, o.submitted_at, o.finished_at, o.ok) for o in run_requests([make(warm + i) for i in range(n)],
                                                                               concurrency=2)]
-print(json.dumps({"wall_s": time.perf_counter() - t0, "cpu_s": cpu() - c0, "requests": done}), flush=True)
+wall = max(d[2] for d in done) - min(d[1] for d in done)  # the first sent to the last seen done, as `replicadp bench`
+print(json.dumps({"wall_s": wall, "cpu_s": cpu() - c0, "requests": done}), flush=True)
 """
 
 
@@ -126,7 +133,6 @@ def phases(sent: list, seen: dict, events: dict) -> dict[str, float]:
     """Median milliseconds of each part of a request, in order, from its records and events (a tree that writes
     no phases: the parts it can tell)."""
     parts: dict[str, list[float]] = {}
-    ends = []
     for task_id, submitted, finished, _ in sent:
         records, told = seen.get(task_id, []), events.get(task_id, {})
         started = next((t for t, r in records if r["status"] == "STARTED"), None)
@@ -147,7 +153,8 @@ def phases(sent: list, seen: dict, events: dict) -> dict[str, float]:
             if "denoising" in begun:
                 marks.append(("denoising", begun["denoising"]))
             marks += [(name, begun.get(phase)) for name, phase in (
-                ("decoding", "decoding"), ("encoding", "encoding"), ("storing and result", "storing"))]
+                ("decoding (to the encode's start: with the finisher, its wait for the next request's compute)",
+                 "decoding"), ("encoding", "encoding"), ("storing and result", "storing"))]
         marks += [("client wake-up", succeeded), ("end", finished)]
         marks = [(name, t) for name, t in marks if t is not None]
         for (name, t), (_, after) in zip(marks, marks[1:]):
@@ -155,18 +162,15 @@ def phases(sent: list, seen: dict, events: dict) -> dict[str, float]:
         if "task-succeeded" in told:  # beside the client's wake-up, not before it
             parts.setdefault("the result back to the main process", []).append(
                 1000 * (told["task-succeeded"] - succeeded))
-        ends.append((started, begun.get("encoding", succeeded)))
-    ends.sort()
-    parts["the pipeline idle between requests (one's frames done to the next one's STARTED)"] = [
-        1000 * (nxt[0] - cur[1]) for cur, nxt in zip(ends, ends[1:])]
     return {name: round(statistics.median(ms), 2) for name, ms in parts.items() if ms}
 
 
-def one_round(tree: Path, url: str, steps: int, requests: int, work: Path, profile: Path | None) -> dict:
-    """One replica and one client of `tree` on `url`: the figures of `requests` requests of `steps` steps."""
+def one_round(tree: Path, url: str, model: str, steps: int, requests: int, work: Path, profile: Path | None) -> dict:
+    """One replica of `model` and one client, both of `tree`, on `url`: the figures of `requests` requests of
+    `steps` steps."""
     client = redis.Redis.from_url(url)
     client.flushall()
-    env = {**os.environ, "PYTHONPATH": str(tree), "REDIS_URL": url, "REPLICADP_MODEL": "synthetic:0",
+    env = {**os.environ, "PYTHONPATH": str(tree), "REDIS_URL": url, "REPLICADP_MODEL": model,
            "NUM_REPLICAS": "1", "DEVICES": "cpu", "THREADS_PER_REPLICA": "1", "OUTPUT_DIR": str(work / "out"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
     with ExitStack() as stack:
@@ -230,14 +234,17 @@ def median_of(runs: list[dict], *path) -> float:
 @click.option("--requests", default=200, show_default=True, help="Timed requests per round.")
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--steps", "many", default=30, show_default=True, help="The step count compared with 1 step.")
+@click.option("--compute-ms", default=0.0, show_default=True,
+              help="Each request's compute (off the CPU, after its steps); 0: nothing to compute.")
 @click.option("--baseline", default=None, help="A git revision to measure in alternate rounds (before and after).")
 @click.option("--profile", type=click.Path(path_type=Path), default=None,
               help="Write py-spy flame graphs of the replica's main process and pool child here.")
 @click.option("--out", default="bench-results/serving-cost.json", show_default=True, type=click.Path(path_type=Path))
-def main(requests, rounds, many, baseline, profile, out):
+def main(requests, rounds, many, compute_ms, baseline, profile, out):
     console = Console(width=None if sys.stdout.isatty() else 150)
     work = Path(tempfile.mkdtemp(prefix="replicadp-serving-cost-"))
     trees = {"this tree": ROOT}
+    model = f"synthetic:0:{compute_ms / 1000:g}" if compute_ms else "synthetic:0"
     results: dict = {}
     server = EmbeddedServer(work / "redis")
     try:
@@ -254,7 +261,7 @@ def main(requests, rounds, many, baseline, profile, out):
             for round_ in range(rounds):
                 for name, tree in trees.items():
                     spy = profile if profile is not None and tree == ROOT and steps == 1 and round_ == 0 else None
-                    got = one_round(tree, url, steps, requests, work, spy)
+                    got = one_round(tree, url, model, steps, requests, work, spy)
                     results.setdefault(name, {}).setdefault(str(steps), []).append(got)
                     console.print(f"{name}, {steps} step(s), round {round_ + 1}: {got['ms_per_request']:.1f} ms a "
                                   f"request, {got['redis_round_trips_per_request']:.1f} round trips")
@@ -265,9 +272,10 @@ def main(requests, rounds, many, baseline, profile, out):
                            capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 
-    table = Table(title=f"serving cost, synthetic:0 128x128x33, 1 replica, 2 in flight, {requests} requests x "
+    table = Table(title=f"serving cost, {model} 128x128x33, 1 replica, 2 in flight, {requests} requests x "
                         f"{rounds} rounds (medians)")
-    for col in ("tree", "ms / request at 1 step", f"at {many}", "ms / extra step", "CPU ms / request (client, main, "
+    for col in ("tree", "ms / request at 1 step", f"at {many}", f"beyond the {compute_ms:g} ms of compute: at 1 step",
+                f"at {many}", "ms / extra step", "CPU ms / request (client, main, "
                 "child, redis)", "Redis commands / request", "round trips / request", "round trips / step"):
         table.add_column(col, justify="right")
     summary = {}
@@ -278,13 +286,16 @@ def main(requests, rounds, many, baseline, profile, out):
         tripsn = median_of(more, "redis_round_trips_per_request")
         cpu = {k: median_of(one, "cpu_ms_per_request", k) for k in one[0]["cpu_ms_per_request"]}
         summary[name] = {"ms_per_request_1_step": ms1, f"ms_per_request_{many}_steps": msn,
+                         "serving_ms_per_request_1_step": ms1 - compute_ms,
+                         f"serving_ms_per_request_{many}_steps": msn - compute_ms,
                          "ms_per_extra_step": (msn - ms1) / (many - 1), "cpu_ms_per_request_1_step": cpu,
                          "redis_commands_per_request_1_step": median_of(one, "redis_commands_per_request"),
                          "redis_round_trips_per_request_1_step": trips1,
                          "redis_round_trips_per_extra_step": (tripsn - trips1) / (many - 1),
                          "phases_ms_1_step": one[0]["phases_ms"], f"phases_ms_{many}_steps": more[0]["phases_ms"],
                          "rounds": by}
-        table.add_row(name, f"{ms1:.1f}", f"{msn:.1f}", f"{(msn - ms1) / (many - 1):.2f}",
+        table.add_row(name, f"{ms1:.1f}", f"{msn:.1f}", f"{ms1 - compute_ms:.1f}", f"{msn - compute_ms:.1f}",
+                      f"{(msn - ms1) / (many - 1):.2f}",
                       ", ".join(f"{v:.1f}" for v in cpu.values()),
                       f"{summary[name]['redis_commands_per_request_1_step']:.0f}", f"{trips1:.1f}",
                       f"{(tripsn - trips1) / (many - 1):.2f}")
@@ -312,7 +323,8 @@ def main(requests, rounds, many, baseline, profile, out):
     console.print(by_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"measured_at": datetime.now().isoformat(timespec="seconds"), "requests": requests,
-                               "rounds": rounds, "shape": SHAPE, "results": summary}, indent=1))
+                               "rounds": rounds, "shape": SHAPE, "model": model, "compute_ms": compute_ms,
+                               "results": summary}, indent=1))
     console.print(f"JSON: {out}")
 
 

@@ -43,8 +43,9 @@ class ResultWatch:
         return self
 
     def close(self) -> None:
+        """Stop awaiting. The thread ends, and closes its connection, once its read in progress returns (within
+        SWEEP_S); it is not waited for, so that a caller that has its results goes on at once."""
         self._closed.set()
-        self._thread.join(timeout=2 * SWEEP_S)
 
     def watch(self, task_id: str) -> None:
         """Await `task_id`: call it before the task is sent, so that no state of it passes unseen."""

@@ -81,6 +81,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
             # 5. Run the pipeline: the frames. A broken group of ranks ends the process, not the request: it is
             #    requeued as a killed replica's is, and the pool's next child rebuilds the group.
             delivery.tell(Event.STARTED)
+            me.finisher.computes()  # the request before it, if waiting, is finished meanwhile
             try:
                 frames = delivery.compute()
             except GroupLost as exc:

@@ -306,7 +306,8 @@ def _load_then_consume(**_):
     fences, reporter = FenceKeeper(SETTINGS.redis_url, SETTINGS.lease_s), Reporter(app.backend)
     # Below the pipeline's priority where it computes off the CPU (a GPU; the synthetic backend, which stands in
     # for one); a CPU pipeline's next request is the same kind of work as the encode, and no more urgent.
-    finisher = Finisher(app, name, SETTINGS.finisher_nice if pipeline.device != "cpu" else 0)
+    finisher = Finisher(app, name, SETTINGS.finisher_nice if pipeline.device != "cpu" else 0,
+                        SETTINGS.finisher_wait_ms / 1000)
     me = child.PoolChild(pipeline, store, outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s), fences,
                          reporter, finisher)
     child.become(me)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import run_client_on, start_replicas
 from replicadp_tasks.pipeline import REFERENCE_WORK
 
@@ -55,21 +57,25 @@ def test_sweep_prints_and_writes_table_json_markdown_png(tmp_path, tiny_model):
 
 def test_serving_cost_compares_a_baseline_commit_in_one_run(tmp_path):
     """bench/serving_cost.py runs this tree and a baseline commit (a git worktree, removed after) in alternate
-    rounds at 1 step and more, and writes per tree the time, CPU, Redis commands (in all and by name) and round
-    trips per request and per step, and where a request's time goes by phase."""
+    rounds at 1 step and more, with a set compute per request, and writes per tree the time (in all, and beyond the
+    compute), CPU, Redis commands (in all and by name) and round trips per request and per step, and where a
+    request's time goes by phase."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["TMPDIR"] = str(tmp_path)
     out = tmp_path / "res" / "cost.json"
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, str(root / "bench" / "serving_cost.py"), "--requests", "4", "--rounds", "1",
-                          "--steps", "3", "--baseline", "HEAD", "--out", str(out)],
+                          "--steps", "3", "--compute-ms", "20", "--baseline", "HEAD", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stdout + run.stderr
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["model"] == "synthetic:0:0.02"
     assert len(results) == 2 and "this tree" in results and "where one request's time goes" in run.stdout
     for got in results.values():
         assert got["rounds"]["1"][0]["failed"] == got["rounds"]["3"][0]["failed"] == 0
-        assert got["ms_per_request_1_step"] > 0 and got["cpu_ms_per_request_1_step"]["replica child"] > 0
+        assert got["ms_per_request_1_step"] > 20 and got["cpu_ms_per_request_1_step"]["replica child"] > 0
+        assert got["serving_ms_per_request_1_step"] == pytest.approx(got["ms_per_request_1_step"] - 20)
         assert got["rounds"]["1"][0]["redis_commands_by_name"]["brpop"] >= 0.5  # a request is popped once
         assert {"inputs and fence", "encoding", "storing and result"} <= set(got["phases_ms_3_steps"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res"]  # its run folder and worktree are gone

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from client.api import run_requests
+from client.results import ResultWatch
+from helpers import wait_for
+from replicadp_tasks import app
 from client.submit import BatchFileError, read_batch
 from conftest import SESSION_DIR, start_replicas
 
@@ -120,6 +123,17 @@ def test_failed_requests_are_reported_while_the_others_complete(replicas):
     outcomes = sorted(run_requests(requests, concurrency=2, timeout=60), key=lambda o: o.index)
     assert [o.ok for o in outcomes] == [True, False, True]
     assert outcomes[1].error == "InvalidRequest: width=48: must be a multiple of 32 for this model"
+
+
+def test_closing_the_result_watch_does_not_wait_out_its_read(redis_server):
+    """A caller that has its results goes on at once: closing the result waiter does not wait for the pub/sub read
+    its thread has in progress (up to SWEEP_S; `run_requests` returned that much after its last result); the
+    thread ends by itself once that read returns."""
+    watch = ResultWatch(app.backend, lambda task_id, meta: None).start()
+    wait_for(lambda: app.backend.client.pubsub_numpat() >= 1, "the result waiter to subscribe", interval=0.01)
+    watch.close()
+    assert watch._thread.is_alive()  # still in its read: close did not join it
+    wait_for(lambda: not watch._thread.is_alive(), "the result waiter's thread to end", timeout=10)
 
 
 def test_submit_batch_is_resumable(replicas, redis_server, tmp_path):

@@ -7,6 +7,7 @@ import http.client
 import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -171,6 +172,30 @@ def test_a_warm_shutdown_answers_the_request_being_finished(one_replica):
     assert not stopping.is_alive()
     assert a.get(timeout=5)["params"]["seed"] == 6
     assert int(r.redis.get(ATTEMPTS_KEY + a.id)) == 1
+
+
+def test_a_finish_waits_for_the_next_request_to_compute(redis_db, s3_server, s3_bucket):
+    """A finish starts once the replica has begun computing the next request, so that the next one's hand-over
+    runs alone: with REPLICADP_FINISHER_WAIT_MS long, request A, alone, stays at its last phase (not encoded, not
+    answered) a second after its last step; once request B is sent and computes, A is answered. A warm shutdown
+    then answers B at once, not after the wait."""
+    with gated_replica(redis_db(), s3_server, s3_bucket, "finisher-wait", REPLICADP_FINISHER_WAIT_MS="600000") as r:
+        a = r.app.send_task("replicadp.generate", kwargs=lasting(0.25, prompt="a", seed=10))
+        wait_for(lambda: phase_of(r, a.id, "A to compute") == Phase.DECODING, "A to reach its last step",
+                 interval=0.02)
+        time.sleep(1.0)  # a finish that did not wait would be done: 64x64x5 frames encode in milliseconds
+        assert phase_of(r, a.id, "A's finish") == Phase.DECODING
+        assert r.app.backend.get_task_meta(a.id)["status"] == RequestState.PROGRESS
+        b = r.app.send_task("replicadp.generate", kwargs=lasting(0.5, prompt="b", seed=11))
+        assert a.get(timeout=60)["params"]["seed"] == 10
+        wait_for(lambda: phase_of(r, b.id, "B to compute") == Phase.DECODING, "B to reach its last step",
+                 interval=0.02)
+        stopping = threading.Thread(target=r.group.stop)
+        stopping.start()
+        stopping.join(120)
+        assert not stopping.is_alive()
+        assert b.get(timeout=5)["params"]["seed"] == 11
+        assert int(r.redis.get(ATTEMPTS_KEY + b.id)) == 1
 
 
 def nice_values(pid: int) -> dict[int, int]:
