@@ -217,10 +217,10 @@ class Settings:
             # section 15). 0: equal.
             finisher_nice=_nice("REPLICADP_FINISHER_NICE", 10),
             # A finish waits for the next request's compute to begin, at most this long, so that the hand-over runs
-            # first: longer than a hand-over takes (about 7 ms from one request's frames to the next one's compute
-            # on a 2-core host, docs/benchmarks.md section 15); a request with none behind it is answered this much
-            # later. 0: at once.
-            finisher_wait_ms=_at_least("REPLICADP_FINISHER_WAIT_MS", 20, 0),
+            # first: a little longer than a hand-over takes (7 ms, the median from one request's frames to the next
+            # one's compute on a 2-core host). A request with none behind it is answered this much later; at 20 ms
+            # that cost 8 replicas' last requests more than they gained (docs/benchmarks.md, section 15). 0: at once.
+            finisher_wait_ms=_at_least("REPLICADP_FINISHER_WAIT_MS", 10, 0),
             # Decoding 832x480 in tiles lowers the VAE's peak memory at some speed cost; off by default.
             vae_tiling=_bool("REPLICADP_VAE_TILING", False),
             # diffusers' attention backend for the transformer ("native": torch's SDPA, which picks flash or
