@@ -285,20 +285,18 @@ def main(requests, rounds, many, compute_ms, baseline, profile, out):
         trips1 = median_of(one, "redis_round_trips_per_request")
         tripsn = median_of(more, "redis_round_trips_per_request")
         cpu = {k: median_of(one, "cpu_ms_per_request", k) for k in one[0]["cpu_ms_per_request"]}
-        summary[name] = {"ms_per_request_1_step": ms1, f"ms_per_request_{many}_steps": msn,
-                         "serving_ms_per_request_1_step": ms1 - compute_ms,
-                         f"serving_ms_per_request_{many}_steps": msn - compute_ms,
-                         "ms_per_extra_step": (msn - ms1) / (many - 1), "cpu_ms_per_request_1_step": cpu,
-                         "redis_commands_per_request_1_step": median_of(one, "redis_commands_per_request"),
-                         "redis_round_trips_per_request_1_step": trips1,
-                         "redis_round_trips_per_extra_step": (tripsn - trips1) / (many - 1),
-                         "phases_ms_1_step": one[0]["phases_ms"], f"phases_ms_{many}_steps": more[0]["phases_ms"],
-                         "rounds": by}
-        table.add_row(name, f"{ms1:.1f}", f"{msn:.1f}", f"{ms1 - compute_ms:.1f}", f"{msn - compute_ms:.1f}",
-                      f"{(msn - ms1) / (many - 1):.2f}",
-                      ", ".join(f"{v:.1f}" for v in cpu.values()),
-                      f"{summary[name]['redis_commands_per_request_1_step']:.0f}", f"{trips1:.1f}",
-                      f"{(tripsn - trips1) / (many - 1):.2f}")
+        got = summary[name] = {
+            "ms_per_request_1_step": ms1, f"ms_per_request_{many}_steps": msn,
+            "serving_ms_per_request_1_step": ms1 - compute_ms, f"serving_ms_per_request_{many}_steps": msn - compute_ms,
+            "ms_per_extra_step": (msn - ms1) / (many - 1), "cpu_ms_per_request_1_step": cpu,
+            "redis_commands_per_request_1_step": median_of(one, "redis_commands_per_request"),
+            "redis_round_trips_per_request_1_step": trips1,
+            "redis_round_trips_per_extra_step": (tripsn - trips1) / (many - 1),
+            "phases_ms_1_step": one[0]["phases_ms"], f"phases_ms_{many}_steps": more[0]["phases_ms"], "rounds": by}
+        table.add_row(name, f"{ms1:.1f}", f"{msn:.1f}", f"{got['serving_ms_per_request_1_step']:.1f}",
+                      f"{got[f'serving_ms_per_request_{many}_steps']:.1f}", f"{got['ms_per_extra_step']:.2f}",
+                      ", ".join(f"{v:.1f}" for v in cpu.values()), f"{got['redis_commands_per_request_1_step']:.0f}",
+                      f"{trips1:.1f}", f"{got['redis_round_trips_per_extra_step']:.2f}")
     console.print(table)
     parts = Table(title="where one request's time goes, ms (medians over the requests of the first round)")
     parts.add_column("part")

@@ -12,10 +12,10 @@ import pytest
 
 from client.api import run_requests
 from client.results import ResultWatch
-from helpers import wait_for
-from replicadp_tasks import app
 from client.submit import BatchFileError, read_batch
 from conftest import SESSION_DIR, start_replicas
+from helpers import wait_for
+from replicadp_tasks import app
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 SMALL = ["--size", "64x64", "--num-frames", "9", "--steps", "4"]
