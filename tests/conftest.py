@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,7 +45,7 @@ import redis  # noqa: E402
 
 from client.api import use_redis  # noqa: E402
 from client.local.embedded import EmbeddedServer  # noqa: E402
-from client.local.replicas import Replicas  # noqa: E402
+from client.local.replicas import Replicas, tail  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -67,7 +68,7 @@ LONGEST_FIRST = ["test_faults.py", "test_failover.py", "test_layouts.py", "test_
                  "test_cli.py", "test_ops.py", "test_http.py", "test_jobs.py", "test_embedded.py", "test_bench.py",
                  "test_hostile.py", "test_scheduling.py", "test_architectures.py", "test_stopped.py",
                  "test_client.py", "test_admission.py"]
-_RUNNING = {"cluster": False}  # whether the test being set up now is marked `cluster`
+_RUNNING = {"cluster": False, "since": 0.0}  # whether the test being set up now is marked `cluster`; since when
 
 
 def pytest_collection_modifyitems(config, items):
@@ -82,6 +83,21 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     """Before the test's fixtures, module-scoped ones included, are set up."""
     _RUNNING["cluster"] = item.get_closest_marker("cluster") is not None
+    _RUNNING["since"] = time.time()
+
+
+LOG_TAIL_LINES = 80
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed cluster test's report ends with the last lines of each replica log written since it was set up:
+    CI keeps the report, not the session folder, and a failure that shows once in many runs needs them."""
+    report = (yield).get_result()
+    if report.failed and item.get_closest_marker("cluster") is not None:
+        for log in sorted((SESSION_DIR / "logs").glob("*.log")):
+            if log.stat().st_mtime >= _RUNNING["since"]:
+                report.sections.append((f"{log.name}, last {LOG_TAIL_LINES} lines", tail(log, LOG_TAIL_LINES)))
 
 
 def pytest_sessionfinish(session, exitstatus):

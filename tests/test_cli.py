@@ -17,11 +17,13 @@ import pytest
 import redis
 
 from client.api import _app_for, live_replicas
-from client.local.replicas import plan, stop_group
+from client.local.embedded import EmbeddedServer
+from client.local.replicas import Replicas, plan, stop_group
 from conftest import SESSION_DIR, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from replicadp_tasks.records import RequestState
 from replicadp_tasks.app import redis_address
+from replicadp_tasks.heartbeat import Heartbeat
 from test_embedded import REPLICADP, started_with
 
 CELERY = str(Path(sys.executable).parent / "celery")
@@ -251,6 +253,27 @@ def test_up_plans_one_replica_per_visible_gpu():
         plan("auto", 3, 1, ["0", "1"])
     with pytest.raises(ValueError, match="'0,x'"):
         plan("0,x", None, 1, [])
+
+
+def test_starting_replicas_outlasts_a_redis_read_that_times_out(tmp_path):
+    """While replicas start, `up` and the tests poll the heartbeats with a 1 s read. A server that stalls past
+    it (CLIENT PAUSE here; an fsync on a busy disk in CI) makes that read time out: the poll counts it as no
+    replica serving yet and asks again, instead of failing the start."""
+    server = EmbeddedServer(tmp_path / "redis")
+    url = server.start()
+    try:
+        group = Replicas(1, redis_url=url, model="tiny", log_path=tmp_path / "replicas.log")
+        Heartbeat(group.names[0], url, 10.0, consuming=lambda: True, running=lambda: None).beat(True, None)
+        assert group.serving() == set(group.names)
+        pause = redis.Redis.from_url(url)
+        pause.client_pause(1500, all=True)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            live_replicas(url=url)  # the read the poll makes, past its 1 s
+        pause.client_pause(1500, all=True)
+        assert group.serving() == set()
+        assert group.serving() == set(group.names)  # the pause over, the same read answers
+    finally:
+        server.stop()
 
 
 def test_redis_urls_compare_by_what_they_name():

@@ -35,7 +35,8 @@ def synthetic(redis_db):
     these tests kill and stop touches no other module's replicas."""
     url = redis_db()
     group = start_replicas(2, url, "faults", model=SYNTHETIC)
-    yield SimpleNamespace(url=url, names=group.names, app=_app_for(url), redis=redis.Redis.from_url(url))
+    yield SimpleNamespace(url=url, names=group.names, serving=group.serving, app=_app_for(url),
+                          redis=redis.Redis.from_url(url))
     group.stop()
 
 
@@ -71,7 +72,7 @@ def restart_redis(server, folder, down_s: float):
 
 def serve_again(group):
     """Both replicas consume the queue again (a killed child or replica is replaced) and requests succeed."""
-    wait_for(lambda: set(group.names) <= set(live_replicas(timeout=0.5, url=group.url)),
+    wait_for(lambda: set(group.names) <= group.serving(),
              f"{group.names} to consume the queue again", timeout=120)
     results = [send(group, {**SHORT, "seed": s}) for s in range(4)]
     assert all(r.get(timeout=60)["replica"] in group.names for r in results)

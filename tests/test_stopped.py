@@ -12,7 +12,7 @@ import pytest
 import redis
 from celery import states
 
-from client.api import _app_for, live_replicas
+from client.api import _app_for
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, parent_of, wait_for, wait_for_reload, wait_for_step
 from replicadp_tasks.keys import FENCE_KEY, HOLDERS_KEY, STATS_KEY, FenceToken
@@ -25,7 +25,8 @@ LEASE_S = 2
 def group(redis_db):
     url = redis_db()
     replicas = start_replicas(2, url, "stopped", model=SYNTHETIC, REPLICADP_LEASE=str(LEASE_S))
-    yield SimpleNamespace(url=url, names=replicas.names, app=_app_for(url), redis=redis.Redis.from_url(url))
+    yield SimpleNamespace(url=url, names=replicas.names, serving=replicas.serving, app=_app_for(url),
+                          redis=redis.Redis.from_url(url))
     replicas.stop()
 
 
@@ -54,7 +55,7 @@ def held_by_other(group, stopped_replica: str):
 def reloaded(group, replica: str, old_child: int) -> None:
     """Wait until `replica` has loaded its model in a new pool child and consumes the shared queue again."""
     wait_for_reload(group.redis, replica, old_child)
-    wait_for(lambda: replica in live_replicas(url=group.url), f"{replica} to consume the shared queue")
+    wait_for(lambda: replica in group.serving(), f"{replica} to consume the shared queue")
 
 
 def serves_both(group) -> None:

@@ -15,6 +15,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import redis
+
 from replicadp_tasks.settings import STATE_DIR, STATE_FILE
 
 from ..api import live_replicas, use_redis
@@ -68,10 +70,12 @@ class Replicas:
         return self
 
     def wait_ready(self, timeout: float) -> None:
-        """Until every replica's heartbeat says it serves (a Redis read, so polled often)."""
+        """Until every replica's heartbeat says it serves (a Redis read, so polled often). A read that times out
+        is asked again: on a loaded machine an fsynced server can stall past the read's 1 s, and that says
+        nothing about the replicas."""
         deadline = time.monotonic() + timeout
         want = set(self.names)
-        while not want <= set(live_replicas(url=self.redis_url)):
+        while not want <= self.serving():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker_launch.sh exited ({self.proc.returncode}); see {self.log_path}:\n"
                                    + tail(self.log_path))
@@ -80,6 +84,13 @@ class Replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not ready after {timeout:.0f} s; see {self.log_path}:\n" + tail(self.log_path))
             time.sleep(0.1)
+
+    def serving(self) -> set[str]:
+        """The replicas the heartbeats list as serving; none when the read timed out."""
+        try:
+            return set(live_replicas(url=self.redis_url))
+        except redis.exceptions.TimeoutError:
+            return set()
 
     def exited_early(self) -> bool:
         """Whether the launcher has reported a replica's exit since this start (worker_launch.sh's restart line)."""
