@@ -91,8 +91,9 @@ LOG_TAIL_LINES = 80
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed cluster test's report ends with the last lines of each replica log written since it was set up:
-    CI keeps the report, not the session folder, and a failure that shows once in many runs needs them."""
+    """A failed cluster test's report ends with the last lines of each log (replicas, gateways, moto) written since
+    it was set up: CI keeps the report, not the session folder, and a failure that shows once in many runs needs
+    them."""
     report = (yield).get_result()
     if report.failed and item.get_closest_marker("cluster") is not None:
         for log in sorted((SESSION_DIR / "logs").glob("*.log")):
