@@ -1,11 +1,11 @@
 """Every Celery setting replicadp uses, each with the reason for it. Values come from
 replicadp_tasks.settings, which reads the environment once at start-up."""
 
-from replicadp_tasks.connection import celery_backend_url as _celery_backend_url
-from replicadp_tasks.connection import celery_options as _celery_options, celery_url as _celery_url
-from replicadp_tasks.scheduling import LEVELS as _LEVELS
+from replicadp_tasks.cluster.connection import celery_backend_url as _celery_backend_url
+from replicadp_tasks.cluster.connection import celery_options as _celery_options, celery_url as _celery_url
+from replicadp_tasks.contract.scheduling import LEVELS as _LEVELS
 from replicadp_tasks.settings import SETTINGS as _S
-from replicadp_tasks.transport import transport_for as _transport_for
+from replicadp_tasks.broker.transport import transport_for as _transport_for
 
 # One Redis serves as broker and result backend; REDIS_URL (or `replicadp up`'s state) names it.
 # The URL as given, for replicadp's own clients (client.api.redis_url). A Sentinel URL reaches Celery without

@@ -26,11 +26,11 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replicadp_tasks import adapters  # noqa: E402
-from replicadp_tasks.pipeline import PipelineHolder, resolve_model  # noqa: E402
+from replicadp_tasks.model import adapters  # noqa: E402
+from replicadp_tasks.model.pipeline import PipelineHolder, resolve_model  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.tiny_model import save_tiny_lora  # noqa: E402
-from replicadp_tasks.validate import validate_request  # noqa: E402
+from replicadp_tasks.model.tiny_model import save_tiny_lora  # noqa: E402
+from replicadp_tasks.contract.request import validate_request  # noqa: E402
 
 CHOICES = {"none": [], "one": [{"name": "style"}], "two": [{"name": "style"}, {"name": "motion", "scale": 0.5}]}
 

@@ -44,18 +44,18 @@ from client.cli import size_param  # noqa: E402
 from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.ha import HAStack  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
-from replicadp_tasks import connection  # noqa: E402
-from replicadp_tasks.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
-from replicadp_tasks.records import RequestState  # noqa: E402
+from replicadp_tasks.cluster import connection  # noqa: E402
+from replicadp_tasks.contract.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
+from replicadp_tasks.contract.records import RequestState  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.store import outage_tolerant  # noqa: E402
+from replicadp_tasks.outputs.store import outage_tolerant  # noqa: E402
 
 FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower",
           "primary-kill", "primary-stop", "sentinel-kill")
 HA_FAULTS = ("primary-kill", "primary-stop", "sentinel-kill")  # of the HA stack (--ha), which the others are not
 PROMOTION_WAIT_S = 30.0  # primary-stop: the primary stays stopped until Sentinel promotes another, at most this
 # Messages that each crashed a replica's main process, looped its consumer or were never answered, before
-# replicas checked what they pop (replicadp_tasks/message.py).
+# replicas checked what they pop (replicadp_tasks/broker/message.py).
 POISON = (b"{not json", b"[1, 2, 3]",
           json.dumps({"body": "%%%", "content-encoding": "utf-8", "content-type": "application/json",
                       "headers": {"task": "replicadp.generate"}, "properties": {"delivery_tag": None}}).encode(),
@@ -187,7 +187,7 @@ class Chaos:
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
         elif kind == "follower":  # a rank of a replica over several (REPLICADP_PARALLEL)
-            followers = [pid for pid in children_of(child) if b"replicadp_tasks.follower" in
+            followers = [pid for pid in children_of(child) if b"replicadp_tasks.model.follower" in
                          Path(f"/proc/{pid}/cmdline").read_bytes()]
             if not followers:
                 raise ValueError(f"{info['replica']} runs no follower rank now (its group may be rebuilding)")

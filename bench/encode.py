@@ -1,4 +1,4 @@
-"""Figure 7: MP4 encoding, before and after the AVX-512 cap (replicadp_tasks/video.py), and on 2 and 4 frame threads
+"""Figure 7: MP4 encoding, before and after the AVX-512 cap (replicadp_tasks/outputs/video.py), and on 2 and 4 frame threads
 (a GPU replica's REPLICADP_ENCODE_THREADS), at 832x480x33.
 
 For each content (the tiny model's output, and a synthetic moving scene) and each libx264 setting: the median
@@ -31,8 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from client.bench.isolation import psnr_db  # noqa: E402
 from client.cli import size_param  # noqa: E402
-from replicadp_tasks.validate import DEFAULTS, REFERENCE_SIZE  # noqa: E402
-from replicadp_tasks.video import _X264, decode_mp4, encode_mp4, x264_params  # noqa: E402
+from replicadp_tasks.contract.request import DEFAULTS, REFERENCE_SIZE  # noqa: E402
+from replicadp_tasks.outputs.video import _X264, decode_mp4, encode_mp4, x264_params  # noqa: E402
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -54,9 +54,9 @@ def scene(height: int, width: int, count: int) -> np.ndarray:
 
 
 def tiny_output(height: int, width: int, count: int) -> np.ndarray:
-    from replicadp_tasks.pipeline import PipelineHolder
+    from replicadp_tasks.model.pipeline import PipelineHolder
     from replicadp_tasks.settings import SETTINGS
-    from replicadp_tasks.validate import validate_request
+    from replicadp_tasks.contract.request import validate_request
 
     holder = PipelineHolder("tiny", model_cache=SETTINGS.model_cache)
     holder.load()

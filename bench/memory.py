@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The replica's reproducibility switches before anything imports torch: without MKL_CBWR, MKL's results depend on
 # its operands' alignment, which differs between the holders built here one after another (determinism.py).
-from replicadp_tasks import determinism  # noqa: E402
+from replicadp_tasks.model import determinism  # noqa: E402
 
 determinism.set_environment()
 
@@ -35,12 +35,12 @@ from rich.table import Table  # noqa: E402
 
 from client.bench.run import PROMPTS  # noqa: E402
 from client.cli import size_param  # noqa: E402
-from replicadp_tasks import memory  # noqa: E402
-from replicadp_tasks.errors import ModelLoadError  # noqa: E402
-from replicadp_tasks.memory import Offload  # noqa: E402
-from replicadp_tasks.pipeline import PipelineHolder, placement  # noqa: E402
+from replicadp_tasks.model import memory  # noqa: E402
+from replicadp_tasks.contract.errors import ModelLoadError  # noqa: E402
+from replicadp_tasks.model.memory import Offload  # noqa: E402
+from replicadp_tasks.model.pipeline import PipelineHolder, placement  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.validate import validate_request  # noqa: E402
+from replicadp_tasks.contract.request import validate_request  # noqa: E402
 
 
 def options_param(_ctx, _param, value: str) -> list[Offload]:

@@ -31,11 +31,11 @@ from client.bench.run import BenchConfig, make_inputs  # noqa: E402
 from client.cli import size_param  # noqa: E402
 from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
-from replicadp_tasks.pipeline import PipelineHolder  # noqa: E402
+from replicadp_tasks.model.pipeline import PipelineHolder  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.store import DirStore  # noqa: E402
-from replicadp_tasks.validate import validate_request  # noqa: E402
-from replicadp_tasks.video import encode_mp4, frames_sha256  # noqa: E402
+from replicadp_tasks.outputs.store import DirStore  # noqa: E402
+from replicadp_tasks.contract.request import validate_request  # noqa: E402
+from replicadp_tasks.outputs.video import encode_mp4, frames_sha256  # noqa: E402
 
 
 def pct(values, q):

@@ -26,7 +26,7 @@ $RDP sweep --replicas 2 --model synthetic:0 --size 64x64 --num-frames 9 --steps 
 # 5. The real tiny model on 2 cores: 1 replica vs 2, one thread each.
 $RDP sweep --replicas 1,2 --model tiny --size 128x128 --num-frames 17 --steps 8 --num-requests 24 \
   --threads 1 --out bench-results/tiny
-# 7. MP4 encoding at 832x480x33: before and after the AVX-512 cap, and mbtree=0 (replicadp_tasks/video.py).
+# 7. MP4 encoding at 832x480x33: before and after the AVX-512 cap, and mbtree=0 (replicadp_tasks/outputs/video.py).
 $PY bench/encode.py --repeats 7 --out bench-results/encode.json
 # 8. Scheduling: priorities, round robin across users and longest-first batches against one FIFO list.
 $PY bench/scheduling.py --repeats 3 --out bench-results/scheduling.json

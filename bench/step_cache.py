@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from client.bench.isolation import psnr_db  # noqa: E402
 from client.bench.run import PROMPTS  # noqa: E402
 from client.cli import size_param  # noqa: E402
-from replicadp_tasks.pipeline import PipelineHolder  # noqa: E402
+from replicadp_tasks.model.pipeline import PipelineHolder  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.step_cache import CacheMethod, StepCache, calibrate_mag, count_block_work  # noqa: E402
-from replicadp_tasks.validate import validate_request  # noqa: E402
-from replicadp_tasks.video import encode_mp4  # noqa: E402
+from replicadp_tasks.model.step_cache import CacheMethod, StepCache, calibrate_mag, count_block_work  # noqa: E402
+from replicadp_tasks.contract.request import validate_request  # noqa: E402
+from replicadp_tasks.outputs.video import encode_mp4  # noqa: E402
 
 METHODS = [m for m in CacheMethod if m != CacheMethod.NONE]
 

@@ -18,17 +18,18 @@ from typing import Callable, Iterable, Iterator
 import redis
 from celery import Celery
 
-from replicadp_tasks import app, connection, generate, replication
+from replicadp_tasks import app, generate
+from replicadp_tasks.cluster import connection, replication
 from replicadp_tasks.app import check_one_redis
-from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks import heartbeat
-from replicadp_tasks.keys import CANCEL_CHANNEL, CANCEL_KEY
-from replicadp_tasks.records import RequestState, Result
+from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.cluster import heartbeat
+from replicadp_tasks.contract.keys import CANCEL_CHANNEL, CANCEL_KEY
+from replicadp_tasks.contract.records import RequestState, Result
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.connection import redacted
-from replicadp_tasks.store import delete_stored, with_video_url
-from replicadp_tasks.store import fetch_video as _fetch
-from replicadp_tasks.transport import transport_for
+from replicadp_tasks.cluster.connection import redacted
+from replicadp_tasks.outputs.store import delete_stored, with_video_url
+from replicadp_tasks.outputs.store import fetch_video as _fetch
+from replicadp_tasks.broker.transport import transport_for
 
 from .results import SWEEP_S, ResultWatch
 

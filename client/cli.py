@@ -12,11 +12,11 @@ from pathlib import Path
 
 import click
 
-from replicadp_tasks.architectures import GPU_MEMORY_GIB, PEAK_TFLOPS
-from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.scheduling import Priority, check_user
-from replicadp_tasks.step_cache import Quality
-from replicadp_tasks.validate import DEFAULTS, REFERENCE_SIZE, parse_size
+from replicadp_tasks.model.architectures import GPU_MEMORY_GIB, PEAK_TFLOPS
+from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.contract.scheduling import Priority, check_user
+from replicadp_tasks.model.step_cache import Quality
+from replicadp_tasks.contract.request import DEFAULTS, REFERENCE_SIZE, parse_size
 
 from .api import ClientError, check_redis, use_redis
 from .progress import console
@@ -35,8 +35,8 @@ def size_param(ctx, param, value: str) -> tuple[int, int]:
 
 
 def layout_param(ctx, param, value: str):
-    """A click callback: a REPLICADP_PARALLEL layout (replicadp_tasks.parallel.Layout)."""
-    from replicadp_tasks.parallel import Layout
+    """A click callback: a REPLICADP_PARALLEL layout (replicadp_tasks.model.parallel.Layout)."""
+    from replicadp_tasks.model.parallel import Layout
 
     try:
         return Layout.parse(value)
@@ -330,7 +330,7 @@ def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, gui
     from rich.console import Console
     from rich.markup import escape
 
-    from replicadp_tasks.validate import validate_request
+    from replicadp_tasks.contract.request import validate_request
 
     from .oneshot import generate_one, summary
     from .ops.status import live_accepted
@@ -404,7 +404,7 @@ def webhook_secret(tenant):
     """Print the secret that signs TENANT's webhook events (an API key's owner id), derived from
     REPLICADP_WEBHOOK_SECRET: hand it to that tenant, whose receiver verifies X-Replicadp-Signature with it.
     Exit 0, or 2 without REPLICADP_WEBHOOK_SECRET or with a TENANT no key may have."""
-    from replicadp_tasks.webhooks import tenant_secret
+    from replicadp_tasks.webhooks.events import tenant_secret
 
     deployment = os.environ.get("REPLICADP_WEBHOOK_SECRET", "")
     if not deployment:
@@ -703,7 +703,7 @@ def health(replica, stall_after, timeout):
               default="wan2.2-ti2v", show_default=True)
 def make_tiny_model(directory, variant):
     """Write a tiny random-weight Wan pipeline (save_pretrained layout) for offline tests and demos."""
-    from replicadp_tasks.tiny_model import ensure_tiny_model
+    from replicadp_tasks.model.tiny_model import ensure_tiny_model
 
     console.print(f"tiny {variant} model in {ensure_tiny_model(directory, variant)}")
 
@@ -717,9 +717,9 @@ def make_tiny_model(directory, variant):
 def make_tiny_lora(out_file, model, seed, expert):
     """Write a small random LoRA adapter (peft, seeded) for a tiny model, as one safetensors file that
     REPLICADP_LORAS can register: for trying adapters offline."""
-    from replicadp_tasks.pipeline import TINY_SPECS, resolve_model
+    from replicadp_tasks.model.pipeline import TINY_SPECS, resolve_model
     from replicadp_tasks.settings import SETTINGS
-    from replicadp_tasks.tiny_model import save_tiny_lora
+    from replicadp_tasks.model.tiny_model import save_tiny_lora
 
     if model not in TINY_SPECS:
         raise click.BadParameter(f"{model!r}: one of {', '.join(TINY_SPECS)}", param_hint="--model")
@@ -740,7 +740,7 @@ def make_tiny_lora(out_file, model, seed, expert):
 def calibrate_mag_cmd(model, size, num_frames, steps, prompts, out):
     """MagCache's ratios for REPLICADP_CACHE=mag, measured on MODEL here (this process's GPU, else the CPU):
     the exact path on a few requests, the residual magnitude ratio at each step, written where replicas read it."""
-    from replicadp_tasks.errors import ModelLoadError
+    from replicadp_tasks.contract.errors import ModelLoadError
 
     from .ops.calibrate import calibrate, ratios_path
 
@@ -778,7 +778,7 @@ def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_
         name = architecture_of(spec)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="SPEC")
-    from replicadp_tasks.errors import ModelLoadError
+    from replicadp_tasks.contract.errors import ModelLoadError
     from replicadp_tasks.settings import SETTINGS
 
     try:

@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from replicadp_tasks import app
-from replicadp_tasks.keys import UNACKED_KEY
-from replicadp_tasks.records import READY, Phase, RequestState, Result
-from replicadp_tasks.scheduling import queue_lists
+from replicadp_tasks.contract.keys import UNACKED_KEY
+from replicadp_tasks.contract.records import READY, Phase, RequestState, Result
+from replicadp_tasks.contract.scheduling import queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 from .api import (ClientError, Outcome, cancel_request, check_redis, error_message, fetch_video, live_replicas,

@@ -7,8 +7,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.validate import DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, validate_request
+from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.contract.request import DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, validate_request
 
 from .api import check_redis, fetch_video, run_requests
 from .ops.status import Accepted, live_accepted

@@ -5,7 +5,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from celery import Celery, signals
 
-from .connection import redacted
+from .cluster.connection import redacted
 
 app = Celery("replicadp")
 app.config_from_object("celeryconfig")

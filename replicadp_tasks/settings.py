@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from .connection import parse
-from .errors import RedisURLError
+from .cluster.connection import parse
+from .contract.errors import RedisURLError
 from .logs import LogFormat
-from .memory import Offload
-from .parallel import Layout
-from .quantization import Quantize
-from .scheduling import Scheduling
-from .step_cache import CacheMethod, mag_ratios_file
+from .model.memory import Offload
+from .model.parallel import Layout
+from .model.quantization import Quantize
+from .contract.scheduling import Scheduling
+from .model.step_cache import CacheMethod, mag_ratios_file
 
 # Where `replicadp up` records the embedded server's URL, so that a plain `generate.delay()` finds it.
 STATE_DIR = Path(os.environ.get("REPLICADP_STATE_DIR", Path.home() / ".replicadp"))

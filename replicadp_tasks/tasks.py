@@ -19,19 +19,20 @@ import numpy as np
 from celery import signals
 from celery.utils.saferepr import saferepr
 
-from . import child, lease, replication
+from .replica import child
+from .cluster import lease, replication
 from .app import app
-from .errors import (Finishing, GroupLost, InvalidRequest, Parked, PoisonRequest, ReplicaDPError, RequestCancelled,
-                     RequestIdConflict)
-from .images import load_first_frame
-from .keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
-from .lease import FenceAnswer, FenceState
-from .pipeline import describe_device
-from .records import Phase, Progress, RequestState, Result
+from .contract.errors import (Finishing, GroupLost, InvalidRequest, Parked, PoisonRequest, ReplicaDPError,
+                              RequestCancelled, RequestIdConflict)
+from .inputs.images import load_first_frame
+from .contract.keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
+from .cluster.lease import FenceAnswer, FenceState
+from .model.pipeline import describe_device
+from .contract.records import Phase, Progress, RequestState, Result
 from .settings import SETTINGS
-from .validate import GenerateRequest, input_key, validate_request
-from .video import encode_mp4, frames_sha256
-from .webhooks import Event, Webhook, check_webhook, emit
+from .contract.request import GenerateRequest, input_key, validate_request
+from .outputs.video import encode_mp4, frames_sha256
+from .webhooks.events import Event, Webhook, check_webhook, emit
 
 log = logging.getLogger("replicadp")
 # PROGRESS within a phase at most this often (the first step and each change of phase always): each is a write of

@@ -31,18 +31,21 @@ from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from kombu.transport import virtual
 
-from . import child, logs, transport, webhooks
+from .replica import child
+from . import logs
+from .broker import transport
+from .webhooks import events as webhooks
 from .app import app
-from .errors import Finishing, Parked
-from .finisher import Finisher
-from .heartbeat import Heartbeat, Running
-from .keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
-from .lease import FenceKeeper, Keeper
-from .pipeline import PipelineHolder, describe_device
-from .records import ReplicaInfo
-from .reporter import Reporter
+from .contract.errors import Finishing, Parked
+from .replica.finisher import Finisher
+from .cluster.heartbeat import Heartbeat, Running
+from .contract.keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
+from .cluster.lease import FenceKeeper, Keeper
+from .model.pipeline import PipelineHolder, describe_device
+from .contract.records import ReplicaInfo
+from .replica.reporter import Reporter
 from .settings import SETTINGS
-from .store import open_store, outage_tolerant, sweep_forever
+from .outputs.store import open_store, outage_tolerant, sweep_forever
 from .tasks import EXIT_GROUP_LOST
 
 log = logging.getLogger("replicadp")

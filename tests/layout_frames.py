@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from replicadp_tasks.pipeline import PipelineHolder, experts
+from replicadp_tasks.model.pipeline import PipelineHolder, experts
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.validate import validate_request
+from replicadp_tasks.contract.request import validate_request
 
 
 def main(folder: str, requests: str) -> None:

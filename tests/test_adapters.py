@@ -19,12 +19,12 @@ from helpers import holder
 from test_http import REPLICADP, gateway, post
 from test_isolation import protocol
 
-from replicadp_tasks.adapters import read_registry
-from replicadp_tasks.errors import InvalidRequest, ModelLoadError, RequestCancelled
-from replicadp_tasks.keys import REPLICA_KEY
-from replicadp_tasks.pipeline import PipelineHolder
-from replicadp_tasks.tiny_model import save_tiny_lora
-from replicadp_tasks.validate import check_loras, validate_request
+from replicadp_tasks.model.adapters import read_registry
+from replicadp_tasks.contract.errors import InvalidRequest, ModelLoadError, RequestCancelled
+from replicadp_tasks.contract.keys import REPLICA_KEY
+from replicadp_tasks.model.pipeline import PipelineHolder
+from replicadp_tasks.model.tiny_model import save_tiny_lora
+from replicadp_tasks.contract.request import check_loras, validate_request
 
 REQUEST = {"prompt": "a fox with a style", "seed": 5, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 4}

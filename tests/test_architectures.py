@@ -12,10 +12,10 @@ from diffusers import WanPipeline, WanTransformer3DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from replicadp_tasks.architectures import ARCHITECTURES, build_pipeline, describe, dit_flops, reference_flops
-from replicadp_tasks.errors import ModelLoadError
-from replicadp_tasks.pipeline import PipelineHolder, place
-from replicadp_tasks.validate import validate_request
+from replicadp_tasks.model.architectures import ARCHITECTURES, build_pipeline, describe, dit_flops, reference_flops
+from replicadp_tasks.contract.errors import ModelLoadError
+from replicadp_tasks.model.pipeline import PipelineHolder, place
+from replicadp_tasks.contract.request import validate_request
 
 REQUEST = {"prompt": "a red fox in snow", "seed": 3, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 3}

@@ -21,9 +21,9 @@ from client.local.embedded import EmbeddedServer
 from client.local.replicas import Replicas, plan, stop_group
 from conftest import SESSION_DIR, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
-from replicadp_tasks.records import RequestState
+from replicadp_tasks.contract.records import RequestState
 from replicadp_tasks.app import redis_address
-from replicadp_tasks.heartbeat import Heartbeat
+from replicadp_tasks.cluster.heartbeat import Heartbeat
 from test_embedded import REPLICADP, started_with
 
 CELERY = str(Path(sys.executable).parent / "celery")

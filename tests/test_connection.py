@@ -12,8 +12,8 @@ import pytest
 
 from client.cli import Exit
 from client.local.ha import MASTER_NAME, HAStack
-from replicadp_tasks import connection, replication
-from replicadp_tasks.errors import RedisURLError
+from replicadp_tasks.cluster import connection, replication
+from replicadp_tasks.contract.errors import RedisURLError
 
 SENTINELS = "sentinel://:m-secret@10.0.0.1:26379/2;sentinel://:m-secret@10.0.0.2/2"
 URL = SENTINELS + "?master_name=cache&sentinel_password=s-secret"
@@ -28,7 +28,7 @@ def test_a_sentinel_url_names_its_sentinels_master_and_passwords():
                                                                                        "s-secret", 2)
     assert not connection.parse("redis://:pw@127.0.0.1:6379/0").is_sentinel
     assert connection.celery_url(URL) == SENTINELS
-    assert connection.celery_backend_url(URL) == "replicadp_tasks.backend:SentinelBackend+" + SENTINELS
+    assert connection.celery_backend_url(URL) == "replicadp_tasks.broker.backend:SentinelBackend+" + SENTINELS
     assert connection.celery_options(URL)["master_name"] == "cache"
     assert connection.celery_options(URL)["sentinel_kwargs"]["password"] == "s-secret"
     assert connection.celery_options("redis://127.0.0.1:6379/0") == {}

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from helpers import SYNTHETIC, lasting, wait_for
-from replicadp_tasks import connection
+from replicadp_tasks.cluster import connection
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 

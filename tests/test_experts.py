@@ -24,10 +24,10 @@ from conftest import run_client_on, start_replicas
 from helpers import holder
 from test_http import REPLICADP, gateway, post
 
-from replicadp_tasks.architectures import ARCHITECTURES, architecture_of, describe, dit_flops, reference_flops
-from replicadp_tasks.errors import InvalidRequest, ModelLoadError
-from replicadp_tasks.pipeline import PipelineHolder, place
-from replicadp_tasks.validate import validate_request
+from replicadp_tasks.model.architectures import ARCHITECTURES, architecture_of, describe, dit_flops, reference_flops
+from replicadp_tasks.contract.errors import InvalidRequest, ModelLoadError
+from replicadp_tasks.model.pipeline import PipelineHolder, place
+from replicadp_tasks.contract.request import validate_request
 
 REQUEST = {"prompt": "a red fox in snow", "seed": 3, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 4}

@@ -19,11 +19,11 @@ from client.api import _app_for, live_replicas
 from conftest import run_client_on, start_replicas
 from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
                      wait_for_step)
-from replicadp_tasks.architectures import ARCHITECTURES, build_scheduler, expert_steps
-from replicadp_tasks.errors import PoisonRequest
-from replicadp_tasks.keys import (ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, HOLDERS_KEY, PARKED, REPLICA_KEY, STATS_KEY,
-                                 FenceToken)
-from replicadp_tasks.records import RequestState
+from replicadp_tasks.model.architectures import ARCHITECTURES, build_scheduler, expert_steps
+from replicadp_tasks.contract.errors import PoisonRequest
+from replicadp_tasks.contract.keys import (ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, HOLDERS_KEY, PARKED, REPLICA_KEY,
+                                           STATS_KEY, FenceToken)
+from replicadp_tasks.contract.records import RequestState
 
 # What a replica serves after a fault: a small request (two steps, 0.5 s, on the synthetic backend).
 SHORT = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
@@ -481,12 +481,12 @@ def test_a_message_popped_as_redis_dies_is_put_back(tmp_path):
     from kombu import Connection, Exchange, Queue
 
     from client.local.embedded import EmbeddedServer
-    from replicadp_tasks import transport
+    from replicadp_tasks.broker import transport
 
     server = EmbeddedServer(tmp_path / "redis")
     url = server.start()
     try:
-        with Connection(url, transport="replicadp_tasks.transport:Transport") as conn:
+        with Connection(url, transport="replicadp_tasks.broker.transport:Transport") as conn:
             queue = Queue("orphans", Exchange("orphans", type="direct"), routing_key="orphans")
             conn.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key="orphans", declare=[queue],
                                     headers={"id": "popped-as-redis-died"})

@@ -1,4 +1,4 @@
-"""The fetch policy for URLs a request carries (replicadp_tasks/fetch.py): what a request's `image` can make a
+"""The fetch policy for URLs a request carries (replicadp_tasks/inputs/fetch.py): what a request's `image` can make a
 replica reach, how long it can hold it, and what the error tells the caller. Real servers on 127.0.0.x, started
 by the fixtures here; a test reaches its own server only with allow_nets set to it, and proves refusal without."""
 
@@ -16,11 +16,11 @@ from PIL import Image
 from client.api import _app_for
 from conftest import start_replicas
 from helpers import wait_for
-from replicadp_tasks.errors import FetchError, ImageInputError, RequestCancelled
-from replicadp_tasks.fetch import FAILED, MAX_REDIRECTS, fetch
-from replicadp_tasks.images import load_first_frame
+from replicadp_tasks.contract.errors import FetchError, ImageInputError, RequestCancelled
+from replicadp_tasks.inputs.fetch import FAILED, MAX_REDIRECTS, fetch
+from replicadp_tasks.inputs.images import load_first_frame
 from replicadp_tasks.settings import Settings
-from replicadp_tasks.keys import CANCEL_KEY
+from replicadp_tasks.contract.keys import CANCEL_KEY
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 SECRET = "SECRET_BANNER_TOKEN=xyz"

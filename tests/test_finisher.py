@@ -1,4 +1,4 @@
-"""The finisher (replicadp_tasks/finisher.py): a replica computes its next request while its pool child's finisher
+"""The finisher (replicadp_tasks/replica/finisher.py): a replica computes its next request while its pool child's finisher
 thread encodes, stores and answers the one before, and nothing is lost or answered twice for it. The finish is held
 where the test wants it: the replicas store into an S3-protocol server through a gate, an HTTP proxy of the test's
 that holds every PUT while it is closed (reads go through), so no outcome depends on how fast anything runs here."""
@@ -20,9 +20,9 @@ from helpers import SYNTHETIC, lasting, progress, wait_for, wait_for_reload
 from test_logs import json_lines
 
 from client.api import _app_for, live_replicas
-from replicadp_tasks.errors import RequestCancelled
-from replicadp_tasks.keys import ATTEMPTS_KEY, CANCEL_CHANNEL, CANCEL_KEY
-from replicadp_tasks.records import Phase, RequestState
+from replicadp_tasks.contract.errors import RequestCancelled
+from replicadp_tasks.contract.keys import ATTEMPTS_KEY, CANCEL_CHANNEL, CANCEL_KEY
+from replicadp_tasks.contract.records import Phase, RequestState
 
 pytestmark = pytest.mark.cluster
 

@@ -18,7 +18,7 @@ from client.bench.isolation import check_baseline, describe_mismatch, write_base
 from client.bench.run import PROMPTS
 from conftest import start_replicas
 from helpers import AVX2
-from replicadp_tasks.video import decode_mp4, encode_mp4, frames_sha256
+from replicadp_tasks.outputs.video import decode_mp4, encode_mp4, frames_sha256
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 SMALL = ["--size", "64x64", "--num-frames", "9", "--steps", "4"]
@@ -50,7 +50,7 @@ def save_frames(folder: Path, sizes) -> list[str]:
 ENCODE = """
 import hashlib, sys
 import numpy as np
-from replicadp_tasks import video
+from replicadp_tasks.outputs import video
 if sys.argv[1] == "fallback":
     video.loaded_library = lambda name: None  # as where libx264 is no shared library this process can find
 threads = int(sys.argv[2])
@@ -92,9 +92,9 @@ REPEAT = """
 import hashlib, json, sys
 from pathlib import Path
 import numpy as np
-from replicadp_tasks.pipeline import PipelineHolder
-from replicadp_tasks.validate import validate_request
-from replicadp_tasks.video import encode_mp4
+from replicadp_tasks.model.pipeline import PipelineHolder
+from replicadp_tasks.contract.request import validate_request
+from replicadp_tasks.outputs.video import encode_mp4
 
 holder = PipelineHolder("tiny", model_cache=Path(sys.argv[1]))
 holder.load()

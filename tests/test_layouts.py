@@ -24,7 +24,7 @@ from test_parallel import REQUEST, followers_of
 
 from client.api import _app_for
 from client.bench.isolation import psnr_db
-from replicadp_tasks.keys import ATTEMPTS_KEY, REPLICA_KEY, FenceToken
+from replicadp_tasks.contract.keys import ATTEMPTS_KEY, REPLICA_KEY, FenceToken
 
 
 def test_describe_model_gives_each_rank_its_share_or_names_the_refusal():

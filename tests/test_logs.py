@@ -179,7 +179,7 @@ def download_in(env: dict) -> subprocess.CompletedProcess:
     """hub.download(REPO) in a process of its own (huggingface_hub reads HF_HUB_OFFLINE once, at import), its
     log lines on stderr."""
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s'); "
-            f"from replicadp_tasks.hub import download; print(download({REPO!r}))")
+            f"from replicadp_tasks.model.hub import download; print(download({REPO!r}))")
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=120)
 

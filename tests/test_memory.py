@@ -20,13 +20,13 @@ from helpers import holder
 from test_embedded import started_with
 from test_http import REPLICADP
 
-from replicadp_tasks.architectures import architecture, build_components, build_tokenizer
-from replicadp_tasks.errors import ModelLoadError
-from replicadp_tasks.memory import Offload, block_bytes, check, models_of, needs, weight_bytes
-from replicadp_tasks.pipeline import PipelineHolder, placement
-from replicadp_tasks.quantization import Quantize
-from replicadp_tasks.step_cache import CacheMethod, StepCache, count_block_work
-from replicadp_tasks.validate import validate_request
+from replicadp_tasks.model.architectures import architecture, build_components, build_tokenizer
+from replicadp_tasks.contract.errors import ModelLoadError
+from replicadp_tasks.model.memory import Offload, block_bytes, check, models_of, needs, weight_bytes
+from replicadp_tasks.model.pipeline import PipelineHolder, placement
+from replicadp_tasks.model.quantization import Quantize
+from replicadp_tasks.model.step_cache import CacheMethod, StepCache, count_block_work
+from replicadp_tasks.contract.request import validate_request
 
 REQUEST = {"prompt": "a lighthouse at dusk", "seed": 5, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 6}

@@ -30,11 +30,11 @@ from client.ops.metrics import Exporter
 from client.local.replicas import LAUNCHER, stop_group
 from conftest import SESSION_DIR, run_client_on, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
-from replicadp_tasks import connection
-from replicadp_tasks.keys import REPLICA_KEY
-from replicadp_tasks.records import RequestState
+from replicadp_tasks.cluster import connection
+from replicadp_tasks.contract.keys import REPLICA_KEY
+from replicadp_tasks.contract.records import RequestState
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.store import fetch_video
+from replicadp_tasks.outputs.store import fetch_video
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
@@ -564,7 +564,7 @@ def test_metrics_give_the_next_requests_age_under_its_name_and_the_old_one(redis
         stop(proc)
 
 
-# --- who serves: the replicas' heartbeats (replicadp_tasks/heartbeat.py) -----------------------------------
+# --- who serves: the replicas' heartbeats (replicadp_tasks/cluster/heartbeat.py) -----------------------------------
 
 def replicadp_status(url: str) -> str:
     run = subprocess.run([REPLICADP, "status"], env={**os.environ, "REDIS_URL": url}, capture_output=True,
@@ -579,7 +579,7 @@ def test_a_killed_replica_drops_out_of_the_live_replicas_within_the_bound(redis_
     REPLICADP_REPLICA_STALE of the kill; its last beat is still in Redis, so it is the readers' bound that
     dropped it."""
     from helpers import parent_of
-    from replicadp_tasks.keys import SERVING_KEY
+    from replicadp_tasks.contract.keys import SERVING_KEY
 
     url = redis_db()
     group = start_replicas(1, url, "killed-heartbeat", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path))
@@ -617,7 +617,7 @@ def test_a_replica_reloading_its_model_is_not_live_until_it_consumes_again(redis
     from contextlib import suppress
 
     from helpers import parent_of, tiny_request_lasting, wait_for_step
-    from replicadp_tasks.heartbeat import read
+    from replicadp_tasks.cluster.heartbeat import read
 
     url = redis_db()
     group = start_replicas(1, url, "reload-heartbeat", OUTPUT_DIR=str(tmp_path))

@@ -21,12 +21,12 @@ from test_http import REPLICADP, gateway, post
 
 from client.api import _app_for
 from replicadp_tasks import settings
-from replicadp_tasks.errors import ModelLoadError
-from replicadp_tasks.keys import ATTEMPTS_KEY, REPLICA_KEY, STATS_KEY
-from replicadp_tasks.memory import Offload
-from replicadp_tasks.parallel import Layout, check_heads
-from replicadp_tasks.pipeline import PipelineHolder
-from replicadp_tasks.step_cache import CacheMethod, StepCache
+from replicadp_tasks.contract.errors import ModelLoadError
+from replicadp_tasks.contract.keys import ATTEMPTS_KEY, REPLICA_KEY, STATS_KEY
+from replicadp_tasks.model.memory import Offload
+from replicadp_tasks.model.parallel import Layout, check_heads
+from replicadp_tasks.model.pipeline import PipelineHolder
+from replicadp_tasks.model.step_cache import CacheMethod, StepCache
 
 REQUEST = {"prompt": "two ranks, one fox", "seed": 4, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 4}
@@ -106,7 +106,7 @@ def followers_of(pid: int) -> list[int]:
             stat, cmdline = (proc / "stat").read_text(), (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"replicadp_tasks.follower" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"replicadp_tasks.model.follower" in cmdline:
             found.append(int(proc.name))
     return found
 
@@ -245,7 +245,7 @@ def test_a_new_group_removes_the_rendezvous_files_of_rank_0s_that_are_gone(tmp_p
     its pid."""
     import tempfile
 
-    from replicadp_tasks.parallel import STORE_PREFIX, new_store
+    from replicadp_tasks.model.parallel import STORE_PREFIX, new_store
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen(["true"])

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from replicadp_tasks import app
-from replicadp_tasks.errors import ImageInputError, InvalidRequest
-from replicadp_tasks.keys import FenceToken
-from replicadp_tasks.validate import REFERENCE_SIZE, parse_size
+from replicadp_tasks.contract.errors import ImageInputError, InvalidRequest
+from replicadp_tasks.contract.keys import FenceToken
+from replicadp_tasks.contract.request import REFERENCE_SIZE, parse_size
 
 
 @pytest.mark.parametrize("replica", ["replica0@host", "replica:with:colons@host"])
@@ -49,7 +49,7 @@ def test_invalid_request_keeps_field_and_value_through_the_result_backend(exc):
 def test_producer_imports_start_no_replica_machinery():
     """Importing the producer side (the task, the API, the key schema) connects no replica signal handler or
     bootstep and imports no torch: worker.py is imported by `celery worker` alone."""
-    code = ("import sys, client.api, replicadp_tasks, replicadp_tasks.keys; "
+    code = ("import sys, client.api, replicadp_tasks, replicadp_tasks.contract.keys; "
             "bad = [m for m in ('replicadp_tasks.worker', 'torch', 'diffusers') if m in sys.modules]; "
             "sys.exit(' '.join(bad) or None)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -13,11 +13,11 @@ import pytest
 
 from helpers import AVX2
 from test_isolation import protocol
-from replicadp_tasks.errors import InvalidRequest, ModelLoadError, RequestCancelled
-from replicadp_tasks.pipeline import PipelineHolder
-from replicadp_tasks.quantization import Quantize
-from replicadp_tasks.step_cache import CacheMethod, StepCache, count_block_work, mag_ratios_file
-from replicadp_tasks.validate import input_key, validate_request
+from replicadp_tasks.contract.errors import InvalidRequest, ModelLoadError, RequestCancelled
+from replicadp_tasks.model.pipeline import PipelineHolder
+from replicadp_tasks.model.quantization import Quantize
+from replicadp_tasks.model.step_cache import CacheMethod, StepCache, count_block_work, mag_ratios_file
+from replicadp_tasks.contract.request import input_key, validate_request
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICADP = str(Path(sys.executable).parent / "replicadp")

@@ -20,15 +20,15 @@ from client.api import _app_for
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from test_http import form_of, gateway, job_once, multipart
-from replicadp_tasks.errors import StoreError
-from replicadp_tasks.store import DirStore, RedisStore, fetch_video
+from replicadp_tasks.contract.errors import StoreError
+from replicadp_tasks.outputs.store import DirStore, RedisStore, fetch_video
 
 # Writes in a process whose files may not grow past a limit (RLIMIT_FSIZE): the kernel fails the write with EFBIG,
 # as a full disk fails it with ENOSPC. Prints what put raised.
 LIMITED_PUT = """
 import json, resource, signal, sys
 from pathlib import Path
-from replicadp_tasks.store import DirStore
+from replicadp_tasks.outputs.store import DirStore
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
 try:
@@ -223,7 +223,7 @@ def test_gateway_delete_removes_the_files(dir_cluster):
 RACING_PUT = """
 import hashlib, json, sys
 from pathlib import Path
-from replicadp_tasks.store import DirStore
+from replicadp_tasks.outputs.store import DirStore
 store, writer = DirStore(Path(sys.argv[1])), sys.argv[2]
 for line in sys.stdin:
     request_id = line.strip()

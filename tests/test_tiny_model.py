@@ -12,7 +12,7 @@ import torch
 from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 from PIL import Image
 
-from replicadp_tasks import tiny_model
+from replicadp_tasks.model import tiny_model
 
 
 def _frames(pipe, seed):

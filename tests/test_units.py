@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from client.submit import BatchFileError, read_batch
-from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.store import DirStore, RedisStore, fetch_video
-from replicadp_tasks.validate import DEFAULTS, input_key, validate_request
-from replicadp_tasks.video import decode_mp4, encode_mp4, frames_sha256
+from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.outputs.store import DirStore, RedisStore, fetch_video
+from replicadp_tasks.contract.request import DEFAULTS, input_key, validate_request
+from replicadp_tasks.outputs.video import decode_mp4, encode_mp4, frames_sha256
 
 
 def test_defaults_are_the_reference_workload():

@@ -1,4 +1,4 @@
-"""Webhooks (replicadp_tasks/webhooks.py) as a receiver sees them: a real HTTP receiver on 127.0.0.1 (a fixture's
+"""Webhooks (replicadp_tasks/webhooks/events.py) as a receiver sees them: a real HTTP receiver on 127.0.0.1 (a fixture's
 http.server), a real replica of the tiny model that may reach it (REPLICADP_FETCH_ALLOW=127.0.0.1/32) and signs
 with a secret, and real gateways; events verified the way docs/http.md tells a receiver to."""
 
@@ -24,13 +24,13 @@ from client.cli import main as cli
 from client.ops.metrics import Exporter
 from client.local.embedded import EmbeddedServer
 from client.submit import request_id_for
-from replicadp_tasks.errors import InvalidRequest, RequestCancelled
-from replicadp_tasks.keys import (CANCEL_CHANNEL, CANCEL_KEY, STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY,
-                                  WEBHOOK_SENT_KEY)
+from replicadp_tasks.contract.errors import InvalidRequest, RequestCancelled
+from replicadp_tasks.contract.keys import (CANCEL_CHANNEL, CANCEL_KEY, STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY,
+                                           WEBHOOK_SENT_KEY)
 from replicadp_tasks.settings import Settings
-from replicadp_tasks.validate import input_key, validate_request
-from replicadp_tasks.webhooks import (ATTEMPTS, DEFAULT_EVENTS, MAX_EVENTS_PER_REQUEST, Event, Webhook, backoff,
-                                      emit, tenant_secret)
+from replicadp_tasks.contract.request import input_key, validate_request
+from replicadp_tasks.webhooks.events import (ATTEMPTS, DEFAULT_EVENTS, MAX_EVENTS_PER_REQUEST, Event, Webhook,
+                                             backoff, emit, tenant_secret)
 
 SECRET = "test-webhook-secret-0123456789abcdef"
 CLAIM_S = 10  # REPLICADP_WEBHOOK_CLAIM where a test waits for a claim to end (the default: 60)

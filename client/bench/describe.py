@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from replicadp_tasks.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, build_components,
-                                           build_tokenizer, describe, reference_expert_flops, video_tokens)
-from replicadp_tasks.adapters import read_registry
-from replicadp_tasks.memory import Offload, needs, size, usable
-from replicadp_tasks.parallel import Layout
-from replicadp_tasks.pipeline import RANDOM_PREFIX, TINY_SPECS, placement
+from replicadp_tasks.model.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, build_components,
+                                                 build_tokenizer, describe, reference_expert_flops, video_tokens)
+from replicadp_tasks.model.adapters import read_registry
+from replicadp_tasks.model.memory import Offload, needs, size, usable
+from replicadp_tasks.model.parallel import Layout
+from replicadp_tasks.model.pipeline import RANDOM_PREFIX, TINY_SPECS, placement
 
 from ..progress import console
 

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from replicadp_tasks import app as celery_app
-from replicadp_tasks.keys import ADMITTING_KEY, COMPLETED_KEY
-from replicadp_tasks.scheduling import queue_lists
+from replicadp_tasks.contract.keys import ADMITTING_KEY, COMPLETED_KEY
+from replicadp_tasks.contract.scheduling import queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 from .errors import ErrorCode, GatewayError

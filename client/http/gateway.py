@@ -18,14 +18,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from replicadp_tasks import app as celery_app
-from replicadp_tasks import connection, generate
-from replicadp_tasks.errors import InvalidRequest
-from replicadp_tasks.keys import JOB_KEY, JOBS_KEY, POSTER_KEY, REPLICA_KEY
-from replicadp_tasks.records import READY, RequestState
-from replicadp_tasks.scheduling import Priority, check_priority, queue_lists
+from replicadp_tasks.cluster import connection
+from replicadp_tasks import generate
+from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.contract.keys import JOB_KEY, JOBS_KEY, POSTER_KEY, REPLICA_KEY
+from replicadp_tasks.contract.records import READY, RequestState
+from replicadp_tasks.contract.scheduling import Priority, check_priority, queue_lists
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.validate import validate_request
-from replicadp_tasks.video import poster_jpeg
+from replicadp_tasks.contract.request import validate_request
+from replicadp_tasks.outputs.video import poster_jpeg
 
 from ..api import cancel_request, fetch_video, live_replicas, redis_url, remove_video
 from ..ops.status import accepted_by

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 
-from replicadp_tasks.records import RequestState
-from replicadp_tasks.step_cache import Quality
+from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.model.step_cache import Quality
 
 from ..api import cancel_request, fetch_video, remove_video
 from ..ops.status import fast_path

@@ -11,8 +11,8 @@ from importlib.resources import files
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, RedirectResponse
 
-from replicadp_tasks.keys import REPLICA_KEY
-from replicadp_tasks.validate import DEFAULTS as REQUEST_DEFAULTS
+from replicadp_tasks.contract.keys import REPLICA_KEY
+from replicadp_tasks.contract.request import DEFAULTS as REQUEST_DEFAULTS
 
 from .errors import ErrorCode, GatewayError
 from .jobs import job_view

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from replicadp_tasks.keys import JOBS_KEY
-from replicadp_tasks.records import RequestState
-from replicadp_tasks.scheduling import Priority
+from replicadp_tasks.contract.keys import JOBS_KEY
+from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.contract.scheduling import Priority
 
 from ..ops.status import snapshot
 from .gateway import Gateway, Refreshed

@@ -15,7 +15,7 @@ import secrets
 import time
 from pathlib import Path
 
-from replicadp_tasks.keys import REPLICATED_KEY
+from replicadp_tasks.contract.keys import REPLICATED_KEY
 
 from .embedded import EmbeddedServer
 

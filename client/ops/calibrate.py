@@ -8,10 +8,10 @@ import os
 import time
 from pathlib import Path
 
-from replicadp_tasks.pipeline import PipelineHolder
+from replicadp_tasks.model.pipeline import PipelineHolder
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.step_cache import calibrate_mag, mag_ratios_file
-from replicadp_tasks.validate import validate_request
+from replicadp_tasks.model.step_cache import calibrate_mag, mag_ratios_file
+from replicadp_tasks.contract.request import validate_request
 
 from ..bench.run import PROMPTS
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from celery.result import AsyncResult
 from celery.utils.nodenames import host_format
 
-from replicadp_tasks import app, connection
-from replicadp_tasks.keys import SEEN_KEY
+from replicadp_tasks import app
+from replicadp_tasks.cluster import connection
+from replicadp_tasks.contract.keys import SEEN_KEY
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import redis_url

@@ -18,9 +18,10 @@ from kombu.exceptions import OperationalError
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from replicadp_tasks import app, connection
+from replicadp_tasks import app
+from replicadp_tasks.cluster import connection
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.keys import DEAD_KEY, STATS_KEY
+from replicadp_tasks.contract.keys import DEAD_KEY, STATS_KEY
 
 from ..api import redis_url
 from .status import queue_head, waited_s

@@ -13,13 +13,14 @@ from celery.result import AsyncResult
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from replicadp_tasks import app, connection
-from replicadp_tasks.heartbeat import read
-from replicadp_tasks.keys import COMPLETED_KEY, REPLICA_KEY
-from replicadp_tasks.records import Phase
-from replicadp_tasks.scheduling import Priority, next_request
+from replicadp_tasks import app
+from replicadp_tasks.cluster import connection
+from replicadp_tasks.cluster.heartbeat import read
+from replicadp_tasks.contract.keys import COMPLETED_KEY, REPLICA_KEY
+from replicadp_tasks.contract.records import Phase
+from replicadp_tasks.contract.scheduling import Priority, next_request
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.step_cache import Quality
+from replicadp_tasks.model.step_cache import Quality
 
 from ..api import live_replicas, redis_client, redis_url
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 
-from .validate import DEFAULTS
+from ..contract.request import DEFAULTS
 
 TEXT_LEN = 512  # tokens the pipelines pad every prompt to (max_sequence_length)
 # The chip whose model FLOP utilisation reports give by default: an estimate of an H200's sustained bf16 matrix

@@ -16,7 +16,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .errors import FetchError, RequestCancelled
+from ..contract.errors import FetchError, RequestCancelled
 
 log = logging.getLogger("replicadp")
 

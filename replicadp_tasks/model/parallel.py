@@ -37,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, TypedDict
 
-from .errors import GroupLost
+from ..contract.errors import GroupLost
 
 log = logging.getLogger("replicadp")
 
@@ -101,7 +101,7 @@ def check(layout: Layout, *, devices: list[str], device: str, attention: str, op
     than one per rank, ring on an attention backend without the log-sum-exp, or a deployment option that has not
     run on a split transformer (`options`: setting -> value, the ones set away from their default). Before
     anything is loaded."""
-    from .errors import ModelLoadError
+    from ..contract.errors import ModelLoadError
 
     name = f"REPLICADP_PARALLEL={layout}"
     if layout.cfg > 2:
@@ -119,7 +119,7 @@ def check(layout: Layout, *, devices: list[str], device: str, attention: str, op
 
 def check_heads(layout: Layout, heads: int) -> None:
     """Refuse, naming REPLICADP_PARALLEL, a Ulysses degree that does not divide the model's attention heads."""
-    from .errors import ModelLoadError
+    from ..contract.errors import ModelLoadError
 
     if heads % layout.ulysses:
         raise ModelLoadError(f"REPLICADP_PARALLEL={layout}: the model's {heads} attention heads do not split over "
@@ -313,7 +313,7 @@ def decode_work(line: str):
     from PIL import Image
 
     from .step_cache import Quality
-    from .validate import GenerateRequest
+    from ..contract.request import GenerateRequest
 
     work: Work = json.loads(line)
     fields = work["request"]
@@ -324,7 +324,7 @@ def decode_work(line: str):
 
 
 class Followers:
-    """Rank 0's followers: ranks 1..K-1 as `python -m replicadp_tasks.follower` processes, with this process's
+    """Rank 0's followers: ranks 1..K-1 as `python -m replicadp_tasks.model.follower` processes, with this process's
     environment (so the same settings), their place in the group and a pipe each to report on. A watcher thread
     notes a follower's exit (`lost`, and `oom` where it reported running out of memory) and calls `on_lost` once
     for any other exit: a request in flight cannot finish, and none may start on the broken group. An out of
@@ -340,7 +340,7 @@ class Followers:
         env = {**os.environ, WORLD_ENV: str(layout.size), STORE_ENV: store_path, PARENT_ENV: str(os.getpid())}
         for rank in range(1, layout.size):
             read, write = os.pipe()
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "replicadp_tasks.follower"],
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "replicadp_tasks.model.follower"],
                                                env={**env, RANK_ENV: str(rank), REPORT_FD_ENV: str(write)},
                                                stdin=subprocess.PIPE, text=True, pass_fds=(write,)))
             os.close(write)

@@ -25,10 +25,12 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from . import connection, message, replication, scheduling
-from .errors import InvalidRequest, MessageRefused
-from .keys import DEAD_KEY, HOLDERS_KEY, STANDBY_PREFIX, STATS_KEY
-from .settings import SETTINGS
+from ..cluster import connection, replication
+from . import message
+from ..contract import scheduling
+from ..contract.errors import InvalidRequest, MessageRefused
+from ..contract.keys import DEAD_KEY, HOLDERS_KEY, STANDBY_PREFIX, STATS_KEY
+from ..settings import SETTINGS
 
 log = logging.getLogger("replicadp")
 
@@ -56,7 +58,7 @@ def record_dead(client, record: dict) -> None:
 
 def refuse(raw: bytes, exc: MessageRefused, queue: str) -> None:
     """Record, count and answer a refused message (the main process: Celery's result backend is at hand)."""
-    from .app import app
+    from ..app import app
 
     log.error("refused a message on queue %r (task id %r): %s", queue, exc.task_id, exc)
     try:

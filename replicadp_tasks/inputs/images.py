@@ -9,7 +9,7 @@ import io
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import FetchError, ImageInputError
+from ..contract.errors import FetchError, ImageInputError
 from .fetch import fetch
 
 

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, TypedDict
 import redis
 
 from . import connection
-from .keys import RUNNING_KEY, SERVING_KEY, STANDBY_KEY
+from ..contract.keys import RUNNING_KEY, SERVING_KEY, STANDBY_KEY
 
 log = logging.getLogger("replicadp")
 

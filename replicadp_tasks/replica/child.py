@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from redis import Redis
 
 from .finisher import Finisher
-from .keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken
-from .lease import FenceKeeper, release_unless
-from .pipeline import PipelineHolder
+from ..contract.keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken
+from ..cluster.lease import FenceKeeper, release_unless
+from ..model.pipeline import PipelineHolder
 from .reporter import Reporter
-from .settings import SETTINGS
-from .transport import record_dead
+from ..settings import SETTINGS
+from ..broker.transport import record_dead
 
 
 @dataclass

@@ -25,7 +25,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..contract.errors import ModelLoadError
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 HUB_PREFIX = "hf://"

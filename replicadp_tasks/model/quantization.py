@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from .errors import ModelLoadError
+from ..contract.errors import ModelLoadError
 
 FP8_CAPABILITY = (8, 9)  # Ada, Hopper and later: the first GPUs with FP8 tensor cores
 

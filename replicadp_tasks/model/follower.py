@@ -1,4 +1,4 @@
-"""A follower rank of a multi-process replica (parallel.py): `python -m replicadp_tasks.follower`, started by the
+"""A follower rank of a multi-process replica (parallel.py): `python -m replicadp_tasks.model.follower`, started by the
 replica's pool child (rank 0) with this rank's place in the environment.
 
 It loads the same pipeline as rank 0 (the same settings: the same environment), joins the group, then runs every
@@ -29,9 +29,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/follower] %(message)s")
     rank = int(os.environ[parallel.RANK_ENV])
     # 2. The same pipeline as rank 0, in the group.
-    from .errors import OutOfMemory
+    from ..contract.errors import OutOfMemory
     from .pipeline import PipelineHolder
-    from .settings import SETTINGS
+    from ..settings import SETTINGS
 
     holder = PipelineHolder.from_settings(SETTINGS, rank=rank, store_path=os.environ[parallel.STORE_ENV])
     holder.load()

@@ -25,8 +25,8 @@ from redis.asyncio import sentinel as async_sentinel
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 from redis.utils import str_if_bytes
 
-from .errors import RedisURLError
-from .keys import REPLICATED_KEY
+from ..contract.errors import RedisURLError
+from ..contract.keys import REPLICATED_KEY
 
 SENTINEL_SCHEME = "sentinel"
 SENTINEL_PORT = 26379
@@ -114,9 +114,9 @@ def celery_backend_url(url: str) -> str:
     """Celery's result_backend for `url`: backend.RedisBackend, or for Sentinel backend.SentinelBackend (Celery's
     `module:Class+url`)."""
     if parse(url).is_sentinel:
-        return f"replicadp_tasks.backend:SentinelBackend+{celery_url(url)}"
+        return f"replicadp_tasks.broker.backend:SentinelBackend+{celery_url(url)}"
     if urlsplit(url).scheme in ("redis", "rediss"):
-        return f"replicadp_tasks.backend:RedisBackend+{url}"
+        return f"replicadp_tasks.broker.backend:RedisBackend+{url}"
     return url
 
 

@@ -13,9 +13,9 @@ import redis
 from redis.sentinel import SentinelConnectionPool
 
 from . import connection
-from .errors import NotReplicated
-from .keys import REPLICATED_KEY
-from .settings import SETTINGS
+from ..contract.errors import NotReplicated
+from ..contract.keys import REPLICATED_KEY
+from ..settings import SETTINGS
 
 log = logging.getLogger("replicadp")
 T = TypeVar("T")

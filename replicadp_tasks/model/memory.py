@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .errors import ModelLoadError
+from ..contract.errors import ModelLoadError
 
 MODELS = ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae")
 

@@ -23,7 +23,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from . import logs
+from .. import logs
 
 log = logging.getLogger("replicadp")
 

@@ -38,13 +38,14 @@ from typing import NotRequired, TypedDict
 
 import redis
 
-from . import connection, fetch
-from .errors import InvalidRequest
-from .keys import (STATS_KEY, WEBHOOK_ATTEMPTS_KEY, WEBHOOK_BACKOFF_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY,
-                   WEBHOOK_FAILS_KEY, WEBHOOK_SENDING_KEY, WEBHOOK_SENT_KEY)
-from .records import Result
-from .scheduling import check_tenant
-from .settings import SETTINGS
+from ..cluster import connection
+from ..inputs import fetch
+from ..contract.errors import InvalidRequest
+from ..contract.keys import (STATS_KEY, WEBHOOK_ATTEMPTS_KEY, WEBHOOK_BACKOFF_KEY, WEBHOOK_DUE_KEY,
+                             WEBHOOK_EVENTS_KEY, WEBHOOK_FAILS_KEY, WEBHOOK_SENDING_KEY, WEBHOOK_SENT_KEY)
+from ..contract.records import Result
+from ..contract.scheduling import check_tenant
+from ..settings import SETTINGS
 
 log = logging.getLogger("replicadp")
 

@@ -23,15 +23,15 @@ from . import adapters, determinism, hub
 from . import parallel
 from .architectures import (ARCHITECTURES, architecture, architecture_of, build_components, build_pipeline,
                             build_tokenizer, expert_steps, request_flops, video_tokens)
-from .errors import GroupLost, InvalidRequest, ModelLoadError, OutOfMemory
+from ..contract.errors import GroupLost, InvalidRequest, ModelLoadError, OutOfMemory
 from .memory import Offload, models_of, shortfall
 from .memory import apply as apply_offload
 from .memory import check as check_memory
 from .parallel import Followers, Layout
 from .quantization import Quantize, quantize
 from .step_cache import CacheMethod, Quality, StepCache
-from .validate import REFERENCE_WORK, GenerateRequest
-from .video import to_uint8
+from ..contract.request import REFERENCE_WORK, GenerateRequest
+from ..outputs.video import to_uint8
 
 TINY_SPECS = {"tiny": "wan2.2-ti2v", "tiny-wan2.1": "wan2.1-t2v", "tiny-a14b": "wan2.2-t2v-a14b",
               "tiny-i2v-a14b": "wan2.2-i2v-a14b"}

@@ -26,12 +26,12 @@ import redis
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from . import connection
-from .errors import StoreError
-from .keys import REQUEST_ID_RE, STORE_KEY, SWEEP_KEY
+from ..cluster import connection
+from ..contract.errors import StoreError
+from ..contract.keys import REQUEST_ID_RE, STORE_KEY, SWEEP_KEY
 
 if TYPE_CHECKING:
-    from .settings import Settings
+    from ..settings import Settings
 
 log = logging.getLogger("replicadp")
 

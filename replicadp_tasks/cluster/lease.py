@@ -51,9 +51,10 @@ from typing import NamedTuple
 
 import redis
 
-from . import connection, transport
-from .keys import (ALIVE_KEY, CANCEL_CHANNEL, CANCEL_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY, UNACKED_KEY,
-                   FenceToken, fence_key)
+from . import connection
+from ..broker import transport
+from ..contract.keys import (ALIVE_KEY, CANCEL_CHANNEL, CANCEL_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY,
+                             UNACKED_KEY, FenceToken, fence_key)
 
 log = logging.getLogger("replicadp")
 

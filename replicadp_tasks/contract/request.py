@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from .errors import InvalidRequest
 from .keys import REQUEST_ID_RE
 from .scheduling import check_priority, check_tenant, check_user
-from .step_cache import Quality
-from .webhooks import check_webhook
+from ..model.step_cache import Quality
+from ..webhooks.events import check_webhook
 
 # generate's defaults are the reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
 # The bench, the CLI and the FLOP counts take it from here.
@@ -159,7 +159,7 @@ def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tupl
     (`registered`: name -> default scale; None: unknown here, the replica checks), each once, |scale| at most
     MAX_SCALE (left out: the adapter's default). Returns (name, scale) pairs sorted by name: the order they are
     applied in and part of the identity. InvalidRequest naming `loras` otherwise."""
-    from .adapters import MAX_LORAS, MAX_SCALE, NAME_RE, is_scale
+    from ..model.adapters import MAX_LORAS, MAX_SCALE, NAME_RE, is_scale
 
     if value is None:
         return ()

@@ -22,8 +22,8 @@ from celery.backends.redis import RedisBackend as CeleryRedisBackend
 from celery.backends.redis import SentinelBackend as CelerySentinelBackend
 from kombu.utils.encoding import bytes_to_str
 
-from . import replication
-from .connection import MasterConnection
+from ..cluster import replication
+from ..cluster.connection import MasterConnection
 
 # KEYS[1]: the result key; ARGV: the encoded result, its lifetime in seconds (0: none), SUCCESS. Returns 0 (and
 # writes nothing) if the key holds a result that succeeded.

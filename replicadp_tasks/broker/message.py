@@ -17,8 +17,8 @@ from numbers import Real
 
 from celery.utils.time import maybe_iso8601
 
-from .errors import MessageRefused
-from .settings import SETTINGS
+from ..contract.errors import MessageRefused
+from ..settings import SETTINGS
 
 TASK_NAME = "replicadp.generate"
 MAX_ID_CHARS = 255  # a task id is a uuid (36); room for the ids other producers choose, not for a payload

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..contract.errors import ModelLoadError
 
 
 class Quality(StrEnum):
