@@ -1,11 +1,11 @@
 """Every Celery setting replicadp uses, each with the reason for it. Values come from
 replicadp_tasks.settings, which reads the environment once at start-up."""
 
-from replicadp_tasks.cluster.connection import celery_backend_url as _celery_backend_url
-from replicadp_tasks.cluster.connection import celery_options as _celery_options, celery_url as _celery_url
+from replicadp_tasks.broker import transport_for as _transport_for
+from replicadp_tasks.cluster.connection import (celery_backend_url as _celery_backend_url,
+                                                celery_options as _celery_options, celery_url as _celery_url)
 from replicadp_tasks.contract.scheduling import LEVELS as _LEVELS
 from replicadp_tasks.settings import SETTINGS as _S
-from replicadp_tasks.broker.transport import transport_for as _transport_for
 
 # One Redis serves as broker and result backend; REDIS_URL (or `replicadp up`'s state) names it.
 # The URL as given, for replicadp's own clients (client.api.redis_url). A Sentinel URL reaches Celery without
@@ -60,7 +60,7 @@ task_soft_time_limit = _S.soft_time_limit_s
 task_time_limit = _S.time_limit_s
 # Redis redelivers an unacknowledged message after visibility_timeout: keep it above the hard limit,
 # or a long request runs twice.
-# One list per replicadp priority (scheduling.py), read in that order; kombu's default has a fourth.
+# One list per replicadp priority (contract/scheduling.py), read in that order; kombu's default has a fourth.
 broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300, "priority_steps": _LEVELS,
                             **_celery_options(_S.redis_url)}
 # Sending a request rides out a Redis restart (~30 s of retries) instead of failing the caller.

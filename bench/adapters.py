@@ -26,11 +26,9 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replicadp_tasks.model import adapters  # noqa: E402
-from replicadp_tasks.model.pipeline import PipelineHolder, resolve_model  # noqa: E402
+from replicadp_tasks.contract import validate_request  # noqa: E402
+from replicadp_tasks.model import ModelOptions, PipelineHolder, adapters, resolve_model, save_tiny_lora  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.model.tiny_model import save_tiny_lora  # noqa: E402
-from replicadp_tasks.contract.request import validate_request  # noqa: E402
 
 CHOICES = {"none": [], "one": [{"name": "style"}], "two": [{"name": "style"}, {"name": "motion", "scale": 0.5}]}
 
@@ -72,7 +70,7 @@ def run(folder: Path, model: str, rounds: int, requests: int, size: str, frames:
         save_tiny_lora(model_dir, folder / f"{name}.safetensors", seed)
     registry = folder / "loras.toml"
     registry.write_text("".join(f'[adapters.{n}]\nsource = "{folder}/{n}.safetensors"\n' for n in ("style", "motion")))
-    holder = PipelineHolder(model, model_cache=SETTINGS.model_cache, threads=threads, loras_file=str(registry))
+    holder = PipelineHolder(ModelOptions(model, model_cache=SETTINGS.model_cache, threads=threads, loras_file=str(registry)))
     started = time.perf_counter()
     holder.load()
     load_s = time.perf_counter() - started
@@ -92,7 +90,7 @@ def run(folder: Path, model: str, rounds: int, requests: int, size: str, frames:
             off.append(time.perf_counter() - t1)
             on.append(t1 - t0)
         switches[case] = {"activate": ms(on), "deactivate": ms(off)}
-    bare = PipelineHolder(model, model_cache=SETTINGS.model_cache, threads=threads)
+    bare = PipelineHolder(ModelOptions(model, model_cache=SETTINGS.model_cache, threads=threads))
     bare.load()
     times = {case: [] for case in (*CHOICES, "none registered")}
     holder.generate(reqs["none"])  # warm-up

@@ -44,11 +44,10 @@ from client.cli import size_param  # noqa: E402
 from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.ha import HAStack  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
-from replicadp_tasks.cluster import connection  # noqa: E402
+from replicadp_tasks.cluster import connection, outage_tolerant  # noqa: E402
+from replicadp_tasks.contract import RequestState  # noqa: E402
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
-from replicadp_tasks.contract.records import RequestState  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.outputs.store import outage_tolerant  # noqa: E402
 
 FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower",
           "primary-kill", "primary-stop", "sentinel-kill")

@@ -31,8 +31,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from client.bench.isolation import psnr_db  # noqa: E402
 from client.cli import size_param  # noqa: E402
-from replicadp_tasks.contract.request import DEFAULTS, REFERENCE_SIZE  # noqa: E402
-from replicadp_tasks.outputs.video import _X264, decode_mp4, encode_mp4, x264_params  # noqa: E402
+from replicadp_tasks.contract import DEFAULTS, REFERENCE_SIZE, Accepts  # noqa: E402
+from replicadp_tasks.model import ModelOptions  # noqa: E402
+from replicadp_tasks.outputs import decode_mp4, encode_mp4  # noqa: E402
+from replicadp_tasks.outputs.video import _X264, x264_params  # noqa: E402
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -54,15 +56,15 @@ def scene(height: int, width: int, count: int) -> np.ndarray:
 
 
 def tiny_output(height: int, width: int, count: int) -> np.ndarray:
-    from replicadp_tasks.model.pipeline import PipelineHolder
+    from replicadp_tasks.contract import validate_request
+    from replicadp_tasks.model import PipelineHolder
     from replicadp_tasks.settings import SETTINGS
-    from replicadp_tasks.contract.request import validate_request
 
-    holder = PipelineHolder("tiny", model_cache=SETTINGS.model_cache)
+    holder = PipelineHolder(ModelOptions("tiny", model_cache=SETTINGS.model_cache))
     holder.load()
     req = validate_request({"prompt": "A red fox trotting through fresh snow", "seed": 3, "height": height,
                             "width": width, "num_frames": count, "num_inference_steps": 4},
-                           size_multiple=holder.size_multiple, max_prompt_chars=4000, max_work=10**13)
+                           Accepts(size_multiple=holder.size_multiple), max_prompt_chars=4000, max_work=10**13)
     return holder.generate(req)
 
 

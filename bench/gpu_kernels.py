@@ -22,8 +22,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from client.cli import size_param  # noqa: E402
+from replicadp_tasks.contract import DEFAULTS, REFERENCE_SIZE  # noqa: E402
 from replicadp_tasks.model.architectures import ARCHITECTURES, PEAK_TFLOPS, cast, dit_flops  # noqa: E402
-from replicadp_tasks.contract.request import DEFAULTS, REFERENCE_SIZE  # noqa: E402
 
 BACKENDS = ("native", "_native_cudnn", "_native_flash", "_native_efficient", "flash", "_flash_3")
 

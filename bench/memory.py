@@ -35,12 +35,9 @@ from rich.table import Table  # noqa: E402
 
 from client.bench.run import PROMPTS  # noqa: E402
 from client.cli import size_param  # noqa: E402
-from replicadp_tasks.model import memory  # noqa: E402
-from replicadp_tasks.contract.errors import ModelLoadError  # noqa: E402
-from replicadp_tasks.model.memory import Offload  # noqa: E402
-from replicadp_tasks.model.pipeline import PipelineHolder, placement  # noqa: E402
+from replicadp_tasks.contract import Accepts, ModelLoadError, validate_request  # noqa: E402
+from replicadp_tasks.model import ModelOptions, Offload, PipelineHolder, memory  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
-from replicadp_tasks.contract.request import validate_request  # noqa: E402
 
 
 def options_param(_ctx, _param, value: str) -> list[Offload]:
@@ -82,8 +79,8 @@ def main(model, size, frames, steps, requests, threads, options, out):
         """Input i: prompt i mod the pool, seed 42 + i."""
         return validate_request({"prompt": PROMPTS[i % len(PROMPTS)], "seed": 42 + i, "width": size[0],
                                  "height": size[1], "num_frames": frames, "num_inference_steps": steps},
-                                size_multiple=holder.size_multiple, experts=holder.expert_count,
-                                qualities=holder.qualities)
+                                Accepts(size_multiple=holder.size_multiple, experts=holder.expert_count,
+                                        qualities=tuple(holder.qualities)))
 
     baseline: list[np.ndarray] = []  # none's frames, by measured input
     reasons: dict[Offload, str | None] = {}  # why an option cannot serve this model (memory.usable), from none's
@@ -92,8 +89,8 @@ def main(model, size, frames, steps, requests, threads, options, out):
             report["rows"].append({"option": str(option), "skipped": reasons[option]})
             write()
             continue
-        holder = PipelineHolder(model, model_cache=SETTINGS.model_cache, threads=threads,
-                                attention=SETTINGS.attention, deterministic=SETTINGS.deterministic, offload=option)
+        holder = PipelineHolder(ModelOptions(model, model_cache=SETTINGS.model_cache, threads=threads,
+                                attention=SETTINGS.attention, deterministic=SETTINGS.deterministic, offload=option))
         t0 = time.perf_counter()
         try:
             holder.load()
@@ -108,8 +105,8 @@ def main(model, size, frames, steps, requests, threads, options, out):
         models = memory.models_of(holder.pipe)
         if option == Offload.NONE:
             reasons = {o: memory.usable(o, models, holder.devices) for o in options}
-        need = memory.needs(models, option, holder.devices, placement(list(models), len(holder.devices)),
-                            streamed=holder.device == "cuda")
+        need = memory.needs(models, option, memory.Devices(holder.devices, [None] * len(holder.devices),
+                                                          streamed=holder.device == "cuda"))
         runs = []
         for n, i in enumerate([10_000, *range(requests)]):  # a warm-up first
             req = request(holder, i)

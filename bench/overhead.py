@@ -31,11 +31,11 @@ from client.bench.run import BenchConfig, make_inputs  # noqa: E402
 from client.cli import size_param  # noqa: E402
 from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
-from replicadp_tasks.model.pipeline import PipelineHolder  # noqa: E402
-from replicadp_tasks.settings import SETTINGS  # noqa: E402
+from replicadp_tasks.contract import Accepts, validate_request  # noqa: E402
+from replicadp_tasks.model import ModelOptions, PipelineHolder  # noqa: E402
+from replicadp_tasks.outputs import encode_mp4, frames_sha256  # noqa: E402
 from replicadp_tasks.outputs.store import DirStore  # noqa: E402
-from replicadp_tasks.contract.request import validate_request  # noqa: E402
-from replicadp_tasks.outputs.video import encode_mp4, frames_sha256  # noqa: E402
+from replicadp_tasks.settings import SETTINGS  # noqa: E402
 
 
 def pct(values, q):
@@ -49,7 +49,7 @@ def plain_loop(holder, inputs, out_dir):
     start = time.perf_counter()
     for i, kwargs in enumerate(inputs):
         t0 = time.perf_counter()
-        frames = holder.generate(validate_request(kwargs, size_multiple=holder.size_multiple))
+        frames = holder.generate(validate_request(kwargs, Accepts(size_multiple=holder.size_multiple)))
         video = encode_mp4(frames, 24)
         hashes.append(frames_sha256(frames))
         store.put(f"plain-{out_dir.name}-{i}", video, {"video_sha256": hashlib.sha256(video).hexdigest()})
@@ -79,9 +79,9 @@ def main(requests, size, num_frames, steps, threads, rounds, out):
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
     run_dir = Path(tempfile.mkdtemp(prefix="replicadp-overhead-"))
     try:
-        holder = PipelineHolder("tiny", model_cache=SETTINGS.model_cache, threads=threads)
+        holder = PipelineHolder(ModelOptions("tiny", model_cache=SETTINGS.model_cache, threads=threads))
         holder.load()
-        holder.generate(validate_request(inputs[0], size_multiple=holder.size_multiple))  # warm-up
+        holder.generate(validate_request(inputs[0], Accepts(size_multiple=holder.size_multiple)))  # warm-up
         server = EmbeddedServer(run_dir / "redis")
         use_redis(server.start())
         plain_s, rdp_s, plain_lat, rdp_lat = [], [], [], []

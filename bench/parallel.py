@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from client.bench.isolation import psnr_db  # noqa: E402
-from replicadp_tasks.model.architectures import PEAK_TFLOPS, architecture, reference_expert_flops, video_tokens
-from replicadp_tasks.outputs.video import decode_mp4  # noqa: E402
+from replicadp_tasks.model.architectures import (PEAK_TFLOPS, architecture, reference_expert_flops, video_tokens)  # noqa: E402
+from replicadp_tasks.outputs import decode_mp4  # noqa: E402
 
 # The replicadp command of this interpreter (the .venv here, the carried wheels on a GPU machine).
 CLI = [sys.executable, "-m", "client"]
@@ -119,7 +119,7 @@ def model_rows(arch_name: str, size: tuple[int, int], frames: int, steps: int, g
     - cfg:2: each rank runs one of the two passes (half the compute and the sequence traffic), then one
       all-gather of the pass's output (the latent: tokens x out_channels x patch volume).
     """
-    from replicadp_tasks.model.parallel import Layout
+    from replicadp_tasks.model import Layout
 
     arch = architecture(arch_name)
     cfg = arch.transformer
@@ -200,7 +200,7 @@ def main(model, size, frames, steps, n, layouts, requests, latency_requests, war
     report = {"model_h200": {"arch": model_arch, "gpus": gpus, "peak_tflops": PEAK_TFLOPS,
                              "nvlink_gbps_assumed": NVLINK_GBPS, "steps": 30, "rows": models}}
     if not model_only:
-        from replicadp_tasks.model.parallel import Layout
+        from replicadp_tasks.model import Layout
 
         sizes = {text: Layout.parse(text).size for text in layouts}
         if any(k < 2 or n % k for k in sizes.values()):

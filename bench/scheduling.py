@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
 from replicadp_tasks.cluster import connection  # noqa: E402
-from replicadp_tasks.contract.request import REFERENCE_WORK  # noqa: E402
+from replicadp_tasks.contract import REFERENCE_WORK  # noqa: E402
 
 # Every request but the mixed ones: 64x64, 5 frames (encoding takes milliseconds), STEPS steps of the synthetic
 # backend, sized to --duration by the model's SECONDS.
@@ -54,7 +54,7 @@ def short(prompt: str, **fields) -> dict:
 
 def purge() -> None:
     """Drop what still waits (the backlog no one measures) and let the replicas finish what they run."""
-    from replicadp_tasks.contract.scheduling import queue_lists
+    from replicadp_tasks.contract import queue_lists
     from replicadp_tasks.settings import SETTINGS
 
     client = connection.client(SETTINGS.redis_url)
@@ -85,7 +85,7 @@ def phase_mixed(n: int) -> dict:
 
 def phase_interactive(n: int, gap: float) -> dict:
     from replicadp_tasks import generate
-    from replicadp_tasks.contract.scheduling import next_request
+    from replicadp_tasks.broker import next_request
     from replicadp_tasks.settings import SETTINGS
 
     warm(n)

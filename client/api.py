@@ -19,17 +19,12 @@ import redis
 from celery import Celery
 
 from replicadp_tasks import app, generate
-from replicadp_tasks.cluster import connection, replication
 from replicadp_tasks.app import check_one_redis
-from replicadp_tasks.contract.errors import InvalidRequest
-from replicadp_tasks.cluster import heartbeat
-from replicadp_tasks.contract.keys import CANCEL_CHANNEL, CANCEL_KEY
-from replicadp_tasks.contract.records import RequestState, Result
+from replicadp_tasks.broker import transport_for
+from replicadp_tasks.cluster import connection, heartbeat, redacted, replication
+from replicadp_tasks.contract import InvalidRequest, RequestState, Result, keys
+from replicadp_tasks.outputs import delete_stored, fetch_video as _fetch, with_video_url
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.cluster.connection import redacted
-from replicadp_tasks.outputs.store import delete_stored, with_video_url
-from replicadp_tasks.outputs.store import fetch_video as _fetch
-from replicadp_tasks.broker.transport import transport_for
 
 from .results import SWEEP_S, ResultWatch
 
@@ -157,10 +152,10 @@ def cancel_request(task_id: str) -> None:
 
     def cancel() -> None:
         pipe = client.pipeline(transaction=False)
-        pipe.set(CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s)
-        pipe.publish(CANCEL_CHANNEL, task_id)  # the replica running it hears it at once (lease.FenceKeeper)
+        pipe.set(keys.CANCEL_KEY + task_id, 1, ex=SETTINGS.result_ttl_s)
+        pipe.publish(keys.CANCEL_CHANNEL, task_id)  # the replica running it hears it at once (replica.fences.FenceKeeper)
         pipe.execute()
-    replication.durable(client, cancel, f"cancel of {task_id}")
+    replication.durable(client, cancel, f"cancel of {task_id}", SETTINGS.durability)
 
 
 def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float = 1800.0,

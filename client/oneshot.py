@@ -16,9 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from replicadp_tasks import app
-from replicadp_tasks.contract.keys import UNACKED_KEY
-from replicadp_tasks.contract.records import READY, Phase, RequestState, Result
-from replicadp_tasks.contract.scheduling import queue_lists
+from replicadp_tasks.contract import READY, Phase, RequestState, Result, keys, queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 from .api import (ClientError, Outcome, cancel_request, check_redis, error_message, fetch_video, live_replicas,
@@ -111,7 +109,7 @@ def _waiting(task_id: str) -> bool:
     client = app.backend.client
     lists = [client.lrange(key, 0, -1) for key in queue_lists(SETTINGS.queue)]
     return (any(_carries(raw, task_id, wrapped=False) for raws in lists for raw in raws)
-            or any(_carries(raw, task_id, wrapped=True) for raw in client.hvals(UNACKED_KEY)))
+            or any(_carries(raw, task_id, wrapped=True) for raw in client.hvals(keys.UNACKED_KEY)))
 
 
 def status_of(task_id: str) -> RequestStatus:

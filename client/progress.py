@@ -9,7 +9,7 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from replicadp_tasks.contract.records import Phase
+from replicadp_tasks.contract import Phase
 
 from .api import ClientError, InFlight, live_replicas
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import redis
 
-from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.contract import RequestState
 
 log = logging.getLogger("replicadp")
 

@@ -7,11 +7,11 @@ import hashlib
 import json
 from pathlib import Path
 
-from replicadp_tasks.contract.errors import InvalidRequest
-from replicadp_tasks.contract.request import DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, validate_request
+from replicadp_tasks.contract import (DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, Accepts, InvalidRequest,
+                                      validate_request)
 
 from .api import check_redis, fetch_video, run_requests
-from .ops.status import Accepted, live_accepted
+from .ops.status import live_accepted
 from .progress import console, flight_text, progress_bar, wait_for_replicas
 
 
@@ -71,10 +71,9 @@ def looks_like_json(line: str) -> bool:
     return False
 
 
-def read_batch(path: Path, defaults: dict | None = None, accepted: Accepted = Accepted()) -> list[tuple[int, dict]]:
+def read_batch(path: Path, defaults: dict | None = None, accepted: Accepts = Accepts()) -> list[tuple[int, dict]]:
     """(line number, generate kwargs with a request_id) per request, `defaults` (priority, user) filling what a
-    line does not say, each checked against what the live replicas accept (`accepted`: their size multiple and
-    qualities). JSONL when the first non-blank line
+    line does not say, each checked against what the live replicas accept (`accepted`). JSONL when the first non-blank line
     starts with '{', else one prompt per line; a text batch with a line that looks like JSON is refused, not
     guessed at (a JSONL file whose first line lost its '{' would run its JSON as prompts). Every malformed line
     is reported before anything is sent."""
@@ -108,9 +107,7 @@ def read_batch(path: Path, defaults: dict | None = None, accepted: Accepted = Ac
         kwargs = {**(defaults or {}), **kwargs}
         try:
             # The replica checks again, and what its deployment allows a webhook.
-            validate_request(kwargs, size_multiple=accepted.size_multiple, qualities=accepted.qualities,
-                             experts=accepted.experts, requires_image=accepted.requires_image,
-                             loras=accepted.loras, webhook_policy=False)
+            validate_request(kwargs, accepted)
         except InvalidRequest as exc:
             errors.append(f"line {n}: {exc}")
             continue

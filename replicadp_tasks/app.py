@@ -60,7 +60,7 @@ def _one_redis(sender, source, **_):
 def _stamp(sender=None, headers=None, body=None, **_):
     """Refuse to send a request to a split Redis (again: the configuration may have been read in another thread,
     whose SystemExit ended only that thread). Record when a request was sent, so that its result can report how
-    long it queued, and its priority, tenant and user, for the transport to place it by (scheduling.py). Leave its time
+    long it queued, and its priority, tenant and user, for the transport to place it by (broker/placement.py). Leave its time
     limits to the replica: Celery would otherwise send the producer's own settings, which win over the worker's."""
     if sender == "replicadp.generate" and headers is not None:
         check_one_redis(app.conf)

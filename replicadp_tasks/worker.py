@@ -6,7 +6,7 @@ private standby queue, and the child, once its model is resident, asks its own m
 shared queue. When the child dies (killed, or past the hard time limit), the main
 process stops consuming the shared queue before it lets go of the request, and the replacement child
 opens it again once it has reloaded the model: meanwhile the request runs on a replica that is ready.
-Whether it consumes the shared queue, the main process tells producers through its heartbeat (heartbeat.py).
+Whether it consumes the shared queue, the main process tells producers through its heartbeat (cluster/heartbeat.py).
 """
 
 from __future__ import annotations
@@ -31,25 +31,25 @@ from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError
 from kombu.transport import virtual
 
-from .replica import child
-from . import logs
-from .broker import transport
-from .webhooks import events as webhooks
+from . import logs, webhooks
 from .app import app
-from .contract.errors import Finishing, Parked
-from .replica.finisher import Finisher
+from .broker import transport
+from .cluster.connection import outage_tolerant
 from .cluster.heartbeat import Heartbeat, Running
 from .contract.keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
-from .cluster.lease import FenceKeeper, Keeper
-from .model.pipeline import PipelineHolder, describe_device
 from .contract.records import ReplicaInfo
+from .model import open_pipeline
+from .model.devices import describe_device
+from .outputs.store import open_store, sweep_forever
+from .replica import child
+from .replica.fences import FenceKeeper
+from .replica.finisher import Finisher
+from .replica.leases import Keeper
+from .replica.outcomes import Exit, Finishing, Parked, exit_process
 from .replica.reporter import Reporter
 from .settings import SETTINGS
-from .outputs.store import open_store, outage_tolerant, sweep_forever
-from .tasks import EXIT_GROUP_LOST
 
 log = logging.getLogger("replicadp")
-
 
 
 @dataclass
@@ -59,9 +59,9 @@ class MainProcess:
 
     name: str | None = None  # the replica's node name
     stopping: object = None  # a RawValue in shared memory, set at shutdown; the pool children read it
-    keeper: Keeper | None = None  # the leases (lease.py), ticking in a thread
+    keeper: Keeper | None = None  # the leases (replica/leases.py), ticking in a thread
     consumer: object = None  # Celery's consumer, to stop consuming the shared queue
-    heartbeat: Heartbeat | None = None  # whether it serves (heartbeat.py), beating in a thread
+    heartbeat: Heartbeat | None = None  # whether it serves (cluster/heartbeat.py), beating in a thread
     events: redis.Redis | None = None  # queues a failed request's webhook event; inherited by the pool children
 
 
@@ -81,7 +81,7 @@ def _start_on_standby(sender, instance, conf, **_):
 
 @signals.worker_ready.connect
 def _sweep_the_store(**_):
-    """In the main process, once: the output store's retention sweep (store.sweep_forever), in a thread. Redis
+    """In the main process, once: the output store's retention sweep (outputs/store.sweep_forever), in a thread. Redis
     expires its keys itself."""
     if SETTINGS.store_ttl_s and SETTINGS.store != "redis":
         threading.Thread(target=sweep_forever, name="replicadp-sweep", daemon=True, args=(
@@ -157,7 +157,7 @@ def _task_log_lines(logger, **_):
 @signals.task_prerun.connect
 def _request_started(task_id, kwargs=None, **_):
     """In the pool child: the lines it logs until the request ends name it, by the caller's request_id if it
-    is a valid one (as tasks.py names the request), else its task id."""
+    is a valid one (as replica/delivery.py names the request), else its task id."""
     asked = (kwargs or {}).get("request_id")
     logs.request_started(task_id, asked if isinstance(asked, str) and REQUEST_ID_RE.fullmatch(asked) else task_id)
 
@@ -177,7 +177,7 @@ def _webhook_events(**_):
 
 @signals.worker_ready.connect
 def _send_webhooks(**_):
-    """In the main process, once: the webhook senders (webhooks.py), threads that POST the events its pool
+    """In the main process, once: the webhook senders (replicadp_tasks/webhooks/), threads that POST the events its pool
     child and the other replicas' queue: the pool child never waits on a receiver."""
     if webhooks.available():
         webhooks.Sender(SETTINGS.redis_url, SETTINGS.webhook_secret, SETTINGS.fetch_allow,
@@ -196,7 +196,7 @@ def _tell_failure(sender=None, task_id=None, exception=None, kwargs=None, **_):
 
 
 class LeaseStep(bootsteps.StartStopStep):
-    """In the main process: heartbeat, lease renewal and the dead-holder sweep (see lease.py). A thread, not
+    """In the main process: heartbeat, lease renewal and the dead-holder sweep (see replica/leases.py). A thread, not
     a timer on the event loop: a warm shutdown stops the loop while the running request finishes, and that
     request's lease must stay alive until it has."""
 
@@ -216,10 +216,10 @@ class ReplicaRequest(Request):
     """A request as the main process sees it. When the pool child running it dies, the replica stops taking
     requests until a replacement child has loaded the model; a request lost with its child goes back to the
     head of the queue (Celery's own requeue would put it at the back, behind requests sent after it). A request
-    whose delivery was parked (errors.Parked: another delivery computes its request_id) leaves its message in
-    Redis, parked on that request's fence (lease.Keeper.park), and frees the replica. So does a request whose
-    frames are computed and whose pool child finishes it (errors.Finishing), but its message stays this
-    replica's (lease.Keeper.finishing) until the child acknowledges it."""
+    whose delivery was parked (outcomes.Parked: another delivery computes its request_id) leaves its message in
+    Redis, parked on that request's fence (leases.Keeper.park), and frees the replica. So does a request whose
+    frames are computed and whose pool child finishes it (outcomes.Finishing), but its message stays this
+    replica's (leases.Keeper.finishing) until the child acknowledges it."""
 
     def _settle_here(self) -> None:
         """Settle the message in this process only, leaving Redis as it is: Celery's ack would remove it from
@@ -273,7 +273,7 @@ def _pause(why: str) -> None:
 def _end_followers(**_):
     """In a pool child that ends normally (a warm shutdown, a recycle): answer the request its finisher holds, if
     any (else its message would wait for a sweep to go back to the queue, and be computed again); then end its
-    follower ranks and remove their rendezvous file (parallel.py), instead of leaving them to PDEATHSIG and the
+    follower ranks and remove their rendezvous file (model/parallel.py), instead of leaving them to PDEATHSIG and the
     file to the next group's sweep."""
     try:
         me = child.current()
@@ -285,55 +285,67 @@ def _end_followers(**_):
 
 
 def _end_attempt(why: str) -> None:
-    """A follower of this multi-process replica died (parallel.py): end this pool child as a killed one ends, so
+    """A follower of this multi-process replica died (model/parallel.py): end this pool child as a killed one ends, so
     that its request is requeued and the pool's next child rebuilds the group."""
-    log.error("replica %s: %s; the pool child exits, its request is requeued", MAIN.name, why)
-    os._exit(EXIT_GROUP_LOST)
+    exit_process(Exit.GROUP_LOST, f"replica {MAIN.name}: {why}")
 
 
 @signals.worker_process_init.connect
 def _load_then_consume(**_):
     """In the pool child: load the model, publish what this replica serves, then open the shared queue."""
-    name = MAIN.name  # inherited from the main process at fork
-    started = time.time()
+    name, started = MAIN.name, time.time()  # the name: inherited from the main process at fork
+    # 1. The model and the output store. A replica that cannot load them must not serve: it stops the whole worker,
+    #    so that its supervisor sees the failure, instead of the pool restarting this child in a loop.
     try:
-        pipeline = PipelineHolder.from_settings(SETTINGS, on_group_lost=_end_attempt)
+        pipeline = open_pipeline(SETTINGS.model_options(), on_group_lost=_end_attempt)
         pipeline.load()
         store = open_store(SETTINGS)
     except Exception:
-        # A replica that cannot load its model must not serve: stop the whole worker so that its
-        # supervisor sees the failure, instead of the pool restarting this child in a loop.
         log.exception("replica %s cannot load model %r; stopping", name, SETTINGS.model)
         os.kill(os.getppid(), signal.SIGQUIT)
         os._exit(1)
+    # 2. The pool child's state, and its threads: the fence keeper, the reporter, the finisher.
+    child.become(_pool_child(name, pipeline, store))
+    # 3. Publish what it serves, then consume the shared queue.
+    info = _replica_info(name, pipeline, started)
+    log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
+    _publish_then_consume(name, info)
+
+
+def _pool_child(name: str, pipeline, store) -> child.PoolChild:
+    """The pool child's state, its threads started."""
     fences, reporter = FenceKeeper(SETTINGS.redis_url, SETTINGS.lease_s), Reporter(app.backend)
     # Below the pipeline's priority where it computes off the CPU (a GPU; the synthetic backend, which stands in
     # for one); a CPU pipeline's next request is the same kind of work as the encode, and no more urgent.
     finisher = Finisher(app, name, SETTINGS.finisher_nice if pipeline.device != "cpu" else 0,
                         SETTINGS.finisher_wait_ms / 1000)
-    me = child.PoolChild(pipeline, store, outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s), fences,
-                         reporter, finisher)
-    child.become(me)
-    threading.Thread(target=fences.run, name="replicadp-fence", daemon=True).start()
-    threading.Thread(target=reporter.run, name="replicadp-reporter", daemon=True).start()
-    threading.Thread(target=finisher.run, name="replicadp-finisher", daemon=True).start()
-    info = ReplicaInfo(name=name, model=SETTINGS.model, device=describe_device(pipeline.device),
-                       size_multiple=pipeline.size_multiple, accepts_image=pipeline.accepts_image,
-                       requires_image=pipeline.requires_image, experts=pipeline.expert_count,
-                       attention=SETTINGS.attention, compile=SETTINGS.compile, deterministic=SETTINGS.deterministic,
-                       qualities=pipeline.qualities, cache=str(pipeline.cache), quantize=SETTINGS.quantize,
-                       offload=SETTINGS.offload, parallel=str(SETTINGS.parallel),
-                       loras=[a.info() for a in pipeline.adapters], pid=os.getpid(),
+    for thread_name, run in (("fence", fences.run), ("reporter", reporter.run), ("finisher", finisher.run)):
+        threading.Thread(target=run, name=f"replicadp-{thread_name}", daemon=True).start()
+    return child.PoolChild(pipeline, store, outage_tolerant(SETTINGS.redis_url, SETTINGS.redis_outage_s), fences,
+                           reporter, finisher)
+
+
+def _replica_info(name: str, pipeline, started: float) -> ReplicaInfo:
+    """What this replica serves, as producers read it."""
+    accepts, options = pipeline.accepts, pipeline.options
+    return ReplicaInfo(name=name, model=options.spec, device=describe_device(pipeline.device),
+                       size_multiple=accepts.size_multiple, accepts_image=bool(accepts.takes_image),
+                       requires_image=accepts.requires_image, experts=accepts.experts, attention=options.attention,
+                       compile=options.compile, deterministic=options.deterministic, qualities=list(accepts.qualities),
+                       cache=str(options.cache), quantize=options.quantize, offload=options.offload,
+                       parallel=str(options.layout), loras=[a.info() for a in pipeline.adapters], pid=os.getpid(),
                        load_s=round(time.time() - started, 3), loaded_at=time.time())
-    log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
-    # Publish what this replica serves, then ask the main process, which answers control commands from its
-    # event loop (it may not run yet), to consume the shared queue. Redis may be down or restarting: wait it
-    # out, on a fresh connection each time: Celery logs and drops an exception raised here, and the replica
-    # would never consume.
+
+
+def _publish_then_consume(name: str, info: ReplicaInfo) -> None:
+    """Publish what this replica serves, then ask the main process, which answers control commands from its event
+    loop (it may not run yet), to consume the shared queue. Redis may be down or restarting: wait it out, on a
+    fresh connection each time: Celery logs and drops an exception raised here, and the replica would never
+    consume."""
     while not MAIN.stopping.value:
         with app.connection_for_write() as conn:
             try:
-                me.redis.set(REPLICA_KEY + name, json.dumps(info))
+                child.current().redis.set(REPLICA_KEY + name, json.dumps(info))
                 if app.control.add_consumer(SETTINGS.queue, destination=[name], reply=True, timeout=1.0,
                                             connection=conn):
                     break

@@ -39,7 +39,7 @@
 #   DEVICE=cpu MODEL=random:tiny-wan2.2-ti2v SIZE=64x64 FRAMES=5 STEPS=2 REQUESTS=2 scripts/gpu_check.sh
 #                                                 # its CPU rehearsal (tests/test_gpu_check.py)
 #
-# Speed options reach the replicas from the environment (REPLICADP_ATTENTION, REPLICADP_COMPILE; README).
+# Speed options reach the replicas from the environment (REPLICADP_ATTENTION, REPLICADP_COMPILE; docs/configuration.md).
 # Exit status: 0 all requests succeeded and isolation passed; 1 otherwise; 2 no GPU.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

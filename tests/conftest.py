@@ -133,7 +133,7 @@ def redis_db(redis_server):
 @pytest.fixture(scope="session")
 def tiny_model():
     """The tiny Wan2.2-TI2V-style model, built once into the session's model cache."""
-    from replicadp_tasks.model.pipeline import resolve_model
+    from replicadp_tasks.model import resolve_model
 
     return Path(resolve_model("tiny", Path(os.environ["REPLICADP_MODEL_CACHE"])))
 
@@ -141,7 +141,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def model_cache(tiny_model):
     """The session's model cache, with every tiny stand-in built in it (tiny, tiny-wan2.1, tiny-a14b, ...)."""
-    from replicadp_tasks.model.pipeline import TINY_SPECS, resolve_model
+    from replicadp_tasks.model import TINY_SPECS, resolve_model
 
     for spec in TINY_SPECS:
         resolve_model(spec, tiny_model.parent)

@@ -8,11 +8,11 @@ import time
 import redis
 from celery import states
 
+from replicadp_tasks.broker import next_request
+from replicadp_tasks.contract import MAX_STEPS, REFERENCE_WORK, RequestState
 from replicadp_tasks.contract.keys import REPLICA_KEY
-from replicadp_tasks.contract.records import RequestState
-from replicadp_tasks.contract.scheduling import next_request
+from replicadp_tasks.model import ModelOptions
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.contract.request import MAX_STEPS, REFERENCE_WORK
 
 # torch's, MKL's and oneDNN's switches to their AVX2 code: what an AVX2-only machine runs.
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -119,8 +119,8 @@ def served_by_each(names, request: dict, batches: int = 10) -> None:
 
 def holder(spec: str, model_cache, **options):
     """A loaded pipeline holder (replicadp_tasks.model.pipeline.PipelineHolder) of `spec`; `options`: its settings."""
-    from replicadp_tasks.model.pipeline import PipelineHolder
+    from replicadp_tasks.model import PipelineHolder
 
-    h = PipelineHolder(spec, model_cache=model_cache, **options)
+    h = PipelineHolder(ModelOptions(spec, model_cache=model_cache, **options))
     h.load()
     return h

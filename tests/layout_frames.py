@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from replicadp_tasks.model.pipeline import PipelineHolder, experts
+from replicadp_tasks.contract import Accepts, validate_request
+from replicadp_tasks.model import PipelineHolder
+from replicadp_tasks.model.pipeline import experts
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.contract.request import validate_request
 
 
 def main(folder: str, requests: str) -> None:
-    holder = PipelineHolder.from_settings(SETTINGS)
+    holder = PipelineHolder(SETTINGS.model_options())
     holder.load()
     calls = [0]
     for expert in experts(holder.pipe):
@@ -28,8 +29,8 @@ def main(folder: str, requests: str) -> None:
     try:
         for i, fields in enumerate(json.loads(requests)):
             calls[0] = 0
-            req = validate_request(fields, size_multiple=holder.size_multiple, experts=holder.expert_count,
-                                   defaults=holder.request_defaults)
+            req = validate_request(fields, Accepts(size_multiple=holder.size_multiple, experts=holder.expert_count,
+                                                   defaults=holder.request_defaults))
             np.save(Path(folder) / f"{i}.npy", holder.generate(req))
             runs.append(calls[0])
     finally:

@@ -19,12 +19,10 @@ from helpers import holder
 from test_http import REPLICADP, gateway, post
 from test_isolation import protocol
 
-from replicadp_tasks.model.adapters import read_registry
-from replicadp_tasks.contract.errors import InvalidRequest, ModelLoadError, RequestCancelled
+from replicadp_tasks.contract import Accepts, InvalidRequest, ModelLoadError, RequestCancelled, validate_request
 from replicadp_tasks.contract.keys import REPLICA_KEY
-from replicadp_tasks.model.pipeline import PipelineHolder
-from replicadp_tasks.model.tiny_model import save_tiny_lora
-from replicadp_tasks.contract.request import check_loras, validate_request
+from replicadp_tasks.contract.request import check_loras
+from replicadp_tasks.model import ModelOptions, PipelineHolder, read_registry, save_tiny_lora
 
 REQUEST = {"prompt": "a fox with a style", "seed": 5, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 4}
@@ -87,10 +85,10 @@ def test_the_loras_field_is_checked_and_put_in_one_order():
         with pytest.raises(InvalidRequest, match=error):
             check_loras(value, registered)
     plain = validate_request(dict(REQUEST)).params()
-    styled = validate_request({**REQUEST, "loras": [{"name": "style"}]}, loras=registered).params()
+    styled = validate_request({**REQUEST, "loras": [{"name": "style"}]}, Accepts(loras=registered)).params()
     assert "loras" not in plain and styled["loras"] == [{"name": "style", "scale": 0.8}]
     with pytest.raises(InvalidRequest, match="loras='style': no such adapter here; registered: none"):
-        validate_request({**REQUEST, "loras": [{"name": "style"}]}, loras={})
+        validate_request({**REQUEST, "loras": [{"name": "style"}]}, Accepts(loras={}))
 
 
 def test_an_adapter_that_cannot_load_stops_the_replica_by_name(tiny_model, registry, tmp_path):
@@ -103,12 +101,12 @@ def test_an_adapter_that_cannot_load_stops_the_replica_by_name(tiny_model, regis
     save_file(broken, tmp_path / "broken.safetensors")
     for source, error in ((tmp_path / "none.safetensors", "No such file"), (tmp_path / "broken.safetensors", "size")):
         path = write(tmp_path, f'[adapters.bad]\nsource = "{source}"\n')
-        h = PipelineHolder("tiny", model_cache=tiny_model.parent, loras_file=path)
+        h = PipelineHolder(ModelOptions("tiny", model_cache=tiny_model.parent, loras_file=path))
         with pytest.raises(ModelLoadError, match=f"(?s)REPLICADP_LORAS: adapter 'bad' \\({source}\\): cannot load it: "
                                                  f".*{error}"):
             h.load()
     with pytest.raises(ModelLoadError, match="REPLICADP_LORAS cannot be combined with REPLICADP_COMPILE=blocks"):
-        PipelineHolder("tiny", model_cache=tiny_model.parent, loras_file=str(registry), compile="blocks").load()
+        PipelineHolder(ModelOptions("tiny", model_cache=tiny_model.parent, loras_file=str(registry), compile="blocks")).load()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +116,7 @@ def adapted(tiny_model, registry):
 
 
 def frames(h: PipelineHolder, loras=None, on_step=None) -> np.ndarray:
-    req = validate_request({**REQUEST, **({"loras": loras} if loras else {})}, loras=h.lora_scales)
+    req = validate_request({**REQUEST, **({"loras": loras} if loras else {})}, Accepts(loras=h.lora_scales))
     return h.generate(req, on_step=on_step)
 
 

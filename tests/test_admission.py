@@ -13,8 +13,8 @@ from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, queue_depth, wait_for
 from test_http import SMALL, form_of, gateway, multipart
 
-from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.contract.keys import ADMITTING_KEY, CANCEL_KEY
+from replicadp_tasks.settings import SETTINGS
 
 BURST = 200
 LIMIT = 5

@@ -12,10 +12,10 @@ from diffusers import WanPipeline, WanTransformer3DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from replicadp_tasks.contract import Accepts, ModelLoadError, validate_request
+from replicadp_tasks.model import ModelOptions, PipelineHolder
 from replicadp_tasks.model.architectures import ARCHITECTURES, build_pipeline, describe, dit_flops, reference_flops
-from replicadp_tasks.contract.errors import ModelLoadError
-from replicadp_tasks.model.pipeline import PipelineHolder, place
-from replicadp_tasks.contract.request import validate_request
+from replicadp_tasks.model.memory import place
 
 REQUEST = {"prompt": "a red fox in snow", "seed": 3, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 3}
@@ -95,7 +95,7 @@ def test_random_weights_are_cast_as_from_pretrained_casts_real_ones(tiny_model):
 
 
 def holder(spec: str, tiny_model_cache, **options) -> PipelineHolder:
-    h = PipelineHolder(spec, model_cache=tiny_model_cache, **options)
+    h = PipelineHolder(ModelOptions(spec, model_cache=tiny_model_cache, **options))
     h.load()
     return h
 
@@ -106,7 +106,7 @@ def tiny_model_cache(tiny_model):
 
 
 def frames_of(h: PipelineHolder) -> np.ndarray:
-    req = validate_request(REQUEST, size_multiple=h.size_multiple, max_prompt_chars=4000, max_work=10**12)
+    req = validate_request(REQUEST, Accepts(size_multiple=h.size_multiple), max_prompt_chars=4000, max_work=10**12)
     return h.generate(req)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_client_on, start_replicas
-from replicadp_tasks.model.pipeline import REFERENCE_WORK
+from replicadp_tasks.contract import REFERENCE_WORK
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 

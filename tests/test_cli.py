@@ -15,15 +15,18 @@ from urllib.parse import urlsplit
 import av
 import pytest
 import redis
+from click.testing import CliRunner
 
 from client.api import _app_for, live_replicas
+from client.cli import main
 from client.local.embedded import EmbeddedServer
 from client.local.replicas import Replicas, plan, stop_group
 from conftest import SESSION_DIR, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
-from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.contract import RequestState
 from replicadp_tasks.app import redis_address
 from replicadp_tasks.cluster.heartbeat import Heartbeat
+from replicadp_tasks.settings import reference
 from test_embedded import REPLICADP, started_with
 
 CELERY = str(Path(sys.executable).parent / "celery")
@@ -379,3 +382,23 @@ def test_demo_and_sweep_take_redis_url_over_the_environment(redis_db, clean_env,
     assert "embedded Valkey" not in demo.stdout
     assert started_with(tmp) == set()
     assert list(tmp.iterdir()) == []
+
+
+def test_settings_table_and_the_configuration_doc():
+    """docs/configuration.md is exactly what `replicadp settings --markdown` prints now (rewrite it with that
+    command when a setting changes), so that the doc cannot go stale; and the plain `replicadp settings` table
+    names every variable, REPLICADP_MODEL among them, with a webhook secret set in its environment shown as ***,
+    never its value."""
+    doc = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    printed = CliRunner().invoke(main, ["settings", "--markdown"])
+    assert printed.exit_code == 0, printed.output
+    assert doc.read_bytes() == printed.stdout_bytes, "docs/configuration.md is stale: rewrite it with " \
+        "`replicadp settings --markdown > docs/configuration.md`"
+    secret = "not-to-be-printed-4f1c"
+    run = subprocess.run([REPLICADP, "settings"], env={**os.environ, "REPLICADP_WEBHOOK_SECRET": secret},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in run.stdout.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip()}
+    assert "REPLICADP_MODEL" in rows and set(rows) == {s.variable for s in reference()}
+    assert rows["REPLICADP_WEBHOOK_SECRET"] == "***" and secret not in run.stdout + run.stderr

@@ -13,7 +13,7 @@ import pytest
 from client.cli import Exit
 from client.local.ha import MASTER_NAME, HAStack
 from replicadp_tasks.cluster import connection, replication
-from replicadp_tasks.contract.errors import RedisURLError
+from replicadp_tasks.contract import RedisURLError
 
 SENTINELS = "sentinel://:m-secret@10.0.0.1:26379/2;sentinel://:m-secret@10.0.0.2/2"
 URL = SENTINELS + "?master_name=cache&sentinel_password=s-secret"

@@ -25,9 +25,11 @@ from helpers import holder
 from test_http import REPLICADP, gateway, post
 
 from replicadp_tasks.model.architectures import ARCHITECTURES, architecture_of, describe, dit_flops, reference_flops
-from replicadp_tasks.contract.errors import InvalidRequest, ModelLoadError
-from replicadp_tasks.model.pipeline import PipelineHolder, place
-from replicadp_tasks.contract.request import validate_request
+from replicadp_tasks.contract import InvalidRequest, ModelLoadError
+from replicadp_tasks.model import PipelineHolder
+from replicadp_tasks.model.memory import place
+from replicadp_tasks.contract import validate_request
+from replicadp_tasks.contract import Accepts
 
 REQUEST = {"prompt": "a red fox in snow", "seed": 3, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 4}
@@ -55,7 +57,7 @@ def i2v(model_cache):
 
 
 def frames_of(h: PipelineHolder, image=None, **fields) -> np.ndarray:
-    req = validate_request({**REQUEST, **fields}, size_multiple=h.size_multiple, max_prompt_chars=4000,
+    req = validate_request({**REQUEST, **fields}, Accepts(size_multiple=h.size_multiple), max_prompt_chars=4000,
                            max_work=10**12)
     return h.generate(req, image=image)
 
@@ -121,7 +123,7 @@ def test_each_step_runs_the_expert_its_timestep_picks(request, spec):
     want = [("transformer" if t >= boundary else "transformer_2", int(t)) for t in scheduler.timesteps for _ in (1, 2)]
     assert calls == want
     assert {name for name, _ in calls} == {"transformer", "transformer_2"}
-    req = validate_request(REQUEST, size_multiple=h.size_multiple)
+    req = validate_request(REQUEST, Accepts(size_multiple=h.size_multiple))
     tokens = 2 * (64 // 8 // 2) ** 2  # 5 frames -> 2 latent frames of 4 x 4 patches
     per_pass = dit_flops(h.pipe.transformer.config, tokens, req.max_sequence_length)
     assert h.expert_flops(req) == {name: per_pass * sum(1 for n, _ in calls if n == name)
@@ -162,9 +164,9 @@ def test_a_request_without_guidance_gets_the_models_own(t2v, i2v, model_cache):
     assert t2v.request_defaults == {"guidance_scale": 4.0, "guidance_scale_2": 3.0}
     assert i2v.request_defaults == {"guidance_scale": 3.5, "guidance_scale_2": 3.5}
     assert holder("tiny", model_cache).request_defaults == {"guidance_scale": 5.0}
-    req = validate_request(REQUEST, defaults=t2v.request_defaults)
+    req = validate_request(REQUEST, Accepts(defaults=t2v.request_defaults))
     assert (req.guidance_scale, req.guidance_scale_2) == (4.0, 3.0)
-    given = validate_request({**REQUEST, "guidance_scale": 6.0}, defaults=t2v.request_defaults)
+    given = validate_request({**REQUEST, "guidance_scale": 6.0}, Accepts(defaults=t2v.request_defaults))
     assert (given.guidance_scale, given.guidance_scale_2) == (6.0, 3.0)
     assert np.array_equal(t2v.generate(req), frames_of(t2v, guidance_scale=4.0, guidance_scale_2=3.0))
     assert not np.array_equal(t2v.generate(req), frames_of(t2v))  # validate.DEFAULTS' 5.0 for both
@@ -182,15 +184,15 @@ def test_two_expert_fields_are_checked_and_refused_by_one_expert_models():
                        ("guidance_scale_2", float("nan")), ("boundary_ratio", -0.1), ("boundary_ratio", 1.5),
                        ("boundary_ratio", True)):
         with pytest.raises(InvalidRequest) as refused:
-            validate_request({**REQUEST, field: bad}, experts=2)
+            validate_request({**REQUEST, field: bad}, Accepts(experts=2))
         assert refused.value.field == field and f"{field}=" in str(refused.value)
     for field in ("guidance_scale_2", "boundary_ratio"):
         with pytest.raises(InvalidRequest, match="this model has one expert") as refused:
-            validate_request({**REQUEST, field: 0.5}, experts=1)
+            validate_request({**REQUEST, field: 0.5}, Accepts(experts=1))
         assert refused.value.field == field
-    plain = validate_request(REQUEST, experts=1).params()
+    plain = validate_request(REQUEST, Accepts(experts=1)).params()
     assert not {"guidance_scale_2", "boundary_ratio"} & set(plain)
-    both = validate_request({**REQUEST, "guidance_scale_2": 3, "boundary_ratio": 0.5}, experts=None).params()
+    both = validate_request({**REQUEST, "guidance_scale_2": 3, "boundary_ratio": 0.5}, Accepts(experts=None)).params()
     assert (both["guidance_scale_2"], both["boundary_ratio"]) == (3.0, 0.5)
 
 

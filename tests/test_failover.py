@@ -20,9 +20,9 @@ from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY, STATS_KEY
-from replicadp_tasks.contract.scheduling import queue_lists
+from replicadp_tasks.contract import queue_lists
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.outputs.store import outage_tolerant
+from replicadp_tasks.cluster import outage_tolerant
 from test_http import form_of, gateway, multipart
 
 BATCH = 40  # half through the gateway, half through Celery

@@ -20,10 +20,10 @@ from conftest import run_client_on, start_replicas
 from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
                      wait_for_step)
 from replicadp_tasks.model.architectures import ARCHITECTURES, build_scheduler, expert_steps
-from replicadp_tasks.contract.errors import PoisonRequest
-from replicadp_tasks.contract.keys import (ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, HOLDERS_KEY, PARKED, REPLICA_KEY,
-                                           STATS_KEY, FenceToken)
-from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.contract import PoisonRequest
+from replicadp_tasks.contract.keys import (ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, FenceToken, HOLDERS_KEY, PARKED,
+                                           REPLICA_KEY, STATS_KEY)
+from replicadp_tasks.contract import RequestState
 
 # What a replica serves after a fault: a small request (two steps, 0.5 s, on the synthetic backend).
 SHORT = {"prompt": "short", "height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
@@ -426,7 +426,7 @@ def test_replacement_child_rides_out_a_redis_restart_before_its_replica_consumes
 
 def computing_one(group, tasks, parked: bool) -> tuple:
     """(the PROGRESS info of the one of `tasks` computing, that task, the other one), once one computes and, if
-    `parked`, the other's message is parked on the fence (lease.Keeper.park)."""
+    `parked`, the other's message is parked on the fence (replica.leases.Keeper.park)."""
     def found():
         infos = [progress(group.app, t.id, "one of them to compute") for t in tasks]
         running = [(info, t) for info, t in zip(infos, tasks) if info]

@@ -16,9 +16,9 @@ from PIL import Image
 from client.api import _app_for
 from conftest import start_replicas
 from helpers import wait_for
-from replicadp_tasks.contract.errors import FetchError, ImageInputError, RequestCancelled
+from replicadp_tasks.contract import FetchError, ImageInputError, RequestCancelled
 from replicadp_tasks.inputs.fetch import FAILED, MAX_REDIRECTS, fetch
-from replicadp_tasks.inputs.images import load_first_frame
+from replicadp_tasks.inputs import load_first_frame
 from replicadp_tasks.settings import Settings
 from replicadp_tasks.contract.keys import CANCEL_KEY
 

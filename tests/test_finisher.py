@@ -20,9 +20,8 @@ from helpers import SYNTHETIC, lasting, progress, wait_for, wait_for_reload
 from test_logs import json_lines
 
 from client.api import _app_for, live_replicas
-from replicadp_tasks.contract.errors import RequestCancelled
+from replicadp_tasks.contract import Phase, RequestCancelled, RequestState
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY, CANCEL_CHANNEL, CANCEL_KEY
-from replicadp_tasks.contract.records import Phase, RequestState
 
 pytestmark = pytest.mark.cluster
 

@@ -15,8 +15,8 @@ from helpers import SYNTHETIC, wait_for
 from test_http import LONG, SMALL, gateway, multipart
 
 from client.local.embedded import EmbeddedServer
-from replicadp_tasks.contract.errors import ImageInputError
-from replicadp_tasks.inputs.images import load_first_frame
+from replicadp_tasks.contract import ImageInputError
+from replicadp_tasks.inputs import load_first_frame
 
 BURST = 80  # more requests at once than the gateway's pool holds connections (REDIS_CONNECTIONS)
 

@@ -18,10 +18,10 @@ from helpers import served_by_each
 
 from client.api import live_replicas, run_requests
 from replicadp_tasks import app
-from replicadp_tasks.contract.errors import ImageInputError
-from replicadp_tasks.inputs.images import load_first_frame
+from replicadp_tasks.contract import FIELDS, ImageInputError
+from replicadp_tasks.contract.request import TWO_EXPERT_FIELDS
+from replicadp_tasks.inputs import load_first_frame
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.contract.request import FIELDS, TWO_EXPERT_FIELDS
 
 SMALL = {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
 

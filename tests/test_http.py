@@ -24,9 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from PIL import Image
 
 from client.local.embedded import _free_port, die_with_parent, stop_pid
+from replicadp_tasks.contract import RequestState, queue_lists
 from replicadp_tasks.contract.keys import CANCEL_KEY
-from replicadp_tasks.contract.records import RequestState
-from replicadp_tasks.contract.scheduling import queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")

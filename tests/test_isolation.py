@@ -18,7 +18,7 @@ from client.bench.isolation import check_baseline, describe_mismatch, write_base
 from client.bench.run import PROMPTS
 from conftest import start_replicas
 from helpers import AVX2
-from replicadp_tasks.outputs.video import decode_mp4, encode_mp4, frames_sha256
+from replicadp_tasks.outputs import decode_mp4, encode_mp4, frames_sha256
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
 SMALL = ["--size", "64x64", "--num-frames", "9", "--steps", "4"]
@@ -92,18 +92,18 @@ REPEAT = """
 import hashlib, json, sys
 from pathlib import Path
 import numpy as np
-from replicadp_tasks.model.pipeline import PipelineHolder
-from replicadp_tasks.contract.request import validate_request
-from replicadp_tasks.outputs.video import encode_mp4
+from replicadp_tasks.contract import Accepts, validate_request
+from replicadp_tasks.model import ModelOptions, PipelineHolder
+from replicadp_tasks.outputs import encode_mp4
 
-holder = PipelineHolder("tiny", model_cache=Path(sys.argv[1]))
+holder = PipelineHolder(ModelOptions("tiny", model_cache=Path(sys.argv[1])))
 holder.load()
 frames = {f.shape[1:3]: f for f in map(np.load, sys.argv[2:])}
 digests = {str(k): set() for k in frames}
 for i in range(100):
     # A real request between encodes, each with other inputs: the heap churns as in a replica.
     req = validate_request({"prompt": f"a fox {i}", "seed": i, "height": 64, "width": 64, "num_frames": 5,
-                            "num_inference_steps": 2}, size_multiple=holder.size_multiple, max_prompt_chars=4000,
+                            "num_inference_steps": 2}, Accepts(size_multiple=holder.size_multiple), max_prompt_chars=4000,
                            max_work=10**12)
     holder.generate(req)
     for (height, width), f in frames.items():

@@ -21,9 +21,9 @@ from test_http import LONG, SMALL, form_of, gateway, job_once, post, result_meta
 from client.api import InFlight
 from client.http.waits import cost_model
 from client.progress import flight_text
+from replicadp_tasks.contract import Phase, RequestState
 from replicadp_tasks.contract.keys import JOB_KEY, POSTER_KEY
-from replicadp_tasks.contract.records import Phase, RequestState
-from replicadp_tasks.outputs.video import decode_mp4
+from replicadp_tasks.outputs import decode_mp4
 
 # The decoding replica's decode: long enough to be seen, to delete a job in, and for four CLI processes started at
 # once to read it on a loaded 2-core machine (each takes a second or two to import what it needs).

@@ -20,13 +20,11 @@ from helpers import holder
 from test_embedded import started_with
 from test_http import REPLICADP
 
+from replicadp_tasks.contract import Accepts, ModelLoadError, validate_request
+from replicadp_tasks.model import CacheMethod, Offload, PipelineHolder, Quantize, StepCache
 from replicadp_tasks.model.architectures import architecture, build_components, build_tokenizer
-from replicadp_tasks.contract.errors import ModelLoadError
-from replicadp_tasks.model.memory import Offload, block_bytes, check, models_of, needs, weight_bytes
-from replicadp_tasks.model.pipeline import PipelineHolder, placement
-from replicadp_tasks.model.quantization import Quantize
-from replicadp_tasks.model.step_cache import CacheMethod, StepCache, count_block_work
-from replicadp_tasks.contract.request import validate_request
+from replicadp_tasks.model.memory import Devices, block_bytes, check, models_of, needs, weight_bytes
+from replicadp_tasks.model.step_cache import count_block_work
 
 REQUEST = {"prompt": "a lighthouse at dusk", "seed": 5, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 6}
@@ -34,13 +32,13 @@ GIB = 2**30
 
 
 def frames_of(h: PipelineHolder, image=None, **fields) -> np.ndarray:
-    req = validate_request({**REQUEST, **fields}, size_multiple=h.size_multiple, experts=h.expert_count,
-                           qualities=h.qualities)
+    req = validate_request({**REQUEST, **fields}, Accepts(size_multiple=h.size_multiple, experts=h.expert_count,
+                                                             qualities=tuple(h.qualities)))
     return h.generate(req, image=image)
 
 
 def need_of(models: dict, offload: Offload) -> int:
-    return needs(models, offload, ["cuda:0"], placement(list(models), 1), streamed=True)[0].total
+    return needs(models, offload, Devices(["cuda:0"], [None], streamed=True))[0].total
 
 
 def test_each_option_keeps_what_it_says_on_the_gpu(model_cache):
@@ -76,12 +74,11 @@ def test_an_option_the_device_cannot_hold_is_refused_by_name(model_cache):
     came from, and the options that would fit; given exactly its need, it loads. With nothing that fits, the error
     says so."""
     models = models_of(holder("tiny-a14b", model_cache).pipe)
-    where = placement(list(models), 1)
     for offload in Offload:
         need = need_of(models, offload)
-        check(models, offload, ["cuda:0"], [need], where, streamed=True, limit="free at load")
+        check(models, offload, Devices(["cuda:0"], [need], "free at load", streamed=True))
         with pytest.raises(ModelLoadError) as refused:
-            check(models, offload, ["cuda:0"], [need - 1], where, streamed=True, limit="free at load")
+            check(models, offload, Devices(["cuda:0"], [need - 1], "free at load", streamed=True))
         message = str(refused.value)
         assert message.startswith(f"REPLICADP_OFFLOAD={offload}: the weights need {need / 2**20:.2f} MiB on cuda:0 (")
         assert f"and cuda:0 has {(need - 1) / 2**20:.2f} MiB (free at load)" in message
@@ -92,7 +89,7 @@ def test_an_option_the_device_cannot_hold_is_refused_by_name(model_cache):
             assert message.endswith("no memory option fits: use a larger GPU")
     with pytest.raises(ModelLoadError, match=r"the weights need 0\.37 MiB on cuda:0 \(text_encoder 0\.10 MiB \+ "
                                              r"transformer 0\.11 MiB \+ transformer_2 0\.11 MiB \+ vae 0\.05 MiB\)"):
-        check(models, Offload.NONE, ["cuda:0"], [1000], where, streamed=True, limit="free at load")
+        check(models, Offload.NONE, Devices(["cuda:0"], [1000], "free at load", streamed=True))
 
 
 def test_options_that_cannot_serve_the_deployment_are_refused(model_cache):
@@ -105,7 +102,7 @@ def test_options_that_cannot_serve_the_deployment_are_refused(model_cache):
     models = models_of(holder("tiny-a14b", model_cache).pipe)
     with pytest.raises(ModelLoadError, match=r"REPLICADP_OFFLOAD=model: offloading serves a replica of one GPU; "
                                              r"this one has 2 \(GPUS_PER_REPLICA\)"):
-        check(models, Offload.MODEL, ["cuda:0", "cuda:1"], [None, None], placement(list(models), 2), True, "")
+        check(models, Offload.MODEL, Devices(["cuda:0", "cuda:1"], [None, None], streamed=True))
     for options, setting in (({"quantize": Quantize.FP8}, "REPLICADP_QUANTIZE=fp8"),
                              ({"compile": "blocks"}, "REPLICADP_COMPILE=blocks")):
         with pytest.raises(ModelLoadError, match=f"REPLICADP_OFFLOAD=group cannot be combined with {setting}"):

@@ -18,7 +18,7 @@ from client.ops.status import queue_head
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, parent_of, queue_depth, wait_for
 from replicadp_tasks.broker import message
-from replicadp_tasks.contract.errors import MessageRefused
+from replicadp_tasks.contract import MessageRefused
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.contract.keys import DEAD_KEY, REPLICA_KEY, STATS_KEY
 

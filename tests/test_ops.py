@@ -32,9 +32,9 @@ from conftest import SESSION_DIR, run_client_on, start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract.keys import REPLICA_KEY
-from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.contract import RequestState
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.outputs.store import fetch_video
+from replicadp_tasks.outputs import fetch_video
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICADP = str(Path(sys.executable).parent / "replicadp")

@@ -21,12 +21,10 @@ from test_http import REPLICADP, gateway, post
 
 from client.api import _app_for
 from replicadp_tasks import settings
-from replicadp_tasks.contract.errors import ModelLoadError
+from replicadp_tasks.contract import ModelLoadError
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY, REPLICA_KEY, STATS_KEY
-from replicadp_tasks.model.memory import Offload
-from replicadp_tasks.model.parallel import Layout, check_heads
-from replicadp_tasks.model.pipeline import PipelineHolder
-from replicadp_tasks.model.step_cache import CacheMethod, StepCache
+from replicadp_tasks.model import CacheMethod, Layout, ModelOptions, Offload, PipelineHolder, StepCache
+from replicadp_tasks.model.layout import check_heads
 
 REQUEST = {"prompt": "two ranks, one fox", "seed": 4, "height": 64, "width": 64, "num_frames": 5,
            "num_inference_steps": 4}
@@ -43,7 +41,7 @@ def test_the_layout_setting_is_parsed_and_a_bad_one_named(monkeypatch):
                      ("ulysses:two", "the degree must be a whole number"), ("ulysses:2,ulysses:2", "given twice")):
         monkeypatch.setenv("REPLICADP_PARALLEL", bad)
         with pytest.raises(SystemExit, match=f"REPLICADP_PARALLEL={bad!r}: .*{why}"):
-            settings._layout("REPLICADP_PARALLEL")
+            settings.Settings.from_env()
 
 
 def test_layouts_a_replica_cannot_run_are_refused_before_anything_starts(tiny_model):
@@ -65,7 +63,7 @@ def test_layouts_a_replica_cannot_run_are_refused_before_anything_starts(tiny_mo
              ({"layout": Layout(cfg=2), "cache": StepCache.of(CacheMethod.TAYLORSEER)},
               r"REPLICADP_PARALLEL=cfg:2 cannot be combined with REPLICADP_CACHE=taylorseer")]
     for options, error in cases:
-        h = PipelineHolder("tiny", model_cache=tiny_model.parent, **options)
+        h = PipelineHolder(ModelOptions("tiny", model_cache=tiny_model.parent, **options))
         with pytest.raises(ModelLoadError, match=error):
             h.load()
         assert h.followers is None and h.pipe is None
@@ -201,7 +199,7 @@ def test_a_follower_hung_mid_request_ends_the_attempt_past_the_timeout(redis_db,
     assert done["redelivered"] and attempts == 2 and gone
     log = group.log_path.read_text()
     assert f"request {result.id}: rank 0: RuntimeError: " in log and "Timed out waiting 3000ms" in log
-    assert "exited with 'exitcode 76'" in log  # EXIT_GROUP_LOST
+    assert "exited with 'exitcode 76'" in log  # outcomes.Exit.GROUP_LOST
 
 
 @pytest.mark.cluster

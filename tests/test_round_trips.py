@@ -18,9 +18,10 @@ from helpers import wait_for
 
 from client.api import _app_for
 from replicadp_tasks.cluster.connection import celery_backend_url
+from replicadp_tasks.cluster.fence import acquire
+from replicadp_tasks.contract import RequestState
 from replicadp_tasks.contract.keys import CANCEL_CHANNEL, CANCEL_KEY, FENCE_KEY, HOLDERS_KEY, FenceToken
-from replicadp_tasks.cluster.lease import FenceKeeper, acquire
-from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.replica import FenceKeeper
 
 INSTANT = {"prompt": "instant", "height": 64, "width": 64, "num_frames": 5}
 

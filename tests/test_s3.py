@@ -14,10 +14,10 @@ from helpers import SYNTHETIC, lasting, wait_for
 from test_http import form_of, gateway, job_once, multipart
 
 from client.api import _app_for
-from replicadp_tasks.contract.errors import StoreError
+from replicadp_tasks.contract import StoreError
+from replicadp_tasks.outputs import delete_stored, fetch_video, open_store
+from replicadp_tasks.outputs.store import S3_MAX_URL_TTL_S, S3Store, new_s3_client
 from replicadp_tasks.settings import Settings
-from replicadp_tasks.outputs.store import (S3_MAX_URL_TTL_S, S3Store, delete_stored, fetch_video, new_s3_client,
-                                           open_store)
 
 PREFIX = "replicadp/"
 

@@ -1,4 +1,4 @@
-"""Scheduling (replicadp_tasks/contract/scheduling.py): a replica takes the highest priority waiting, round robin across
+"""Scheduling (replicadp_tasks/broker/placement.py, contract/scheduling.py): a replica takes the highest priority waiting, round robin across
 tenants within a priority, then across users within a tenant, FIFO within a user; a requeued request goes back to
 the head of its own priority.
 
@@ -21,9 +21,9 @@ import redis
 from client.api import _app_for
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, queue_depth, wait_for_step
-from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.contract import InvalidRequest
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY
-from replicadp_tasks.contract.scheduling import Priority, queue_lists
+from replicadp_tasks.contract import Priority, queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 SHORT = lasting(0.25)  # one step of the synthetic backend

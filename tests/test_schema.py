@@ -7,9 +7,8 @@ import sys
 import pytest
 
 from replicadp_tasks import app
-from replicadp_tasks.contract.errors import ImageInputError, InvalidRequest
+from replicadp_tasks.contract import REFERENCE_SIZE, ImageInputError, InvalidRequest, parse_size
 from replicadp_tasks.contract.keys import FenceToken
-from replicadp_tasks.contract.request import REFERENCE_SIZE, parse_size
 
 
 @pytest.mark.parametrize("replica", ["replica0@host", "replica:with:colons@host"])

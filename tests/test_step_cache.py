@@ -13,11 +13,11 @@ import pytest
 
 from helpers import AVX2
 from test_isolation import protocol
-from replicadp_tasks.contract.errors import InvalidRequest, ModelLoadError, RequestCancelled
-from replicadp_tasks.model.pipeline import PipelineHolder
-from replicadp_tasks.model.quantization import Quantize
-from replicadp_tasks.model.step_cache import CacheMethod, StepCache, count_block_work, mag_ratios_file
-from replicadp_tasks.contract.request import input_key, validate_request
+
+from replicadp_tasks.contract import (Accepts, InvalidRequest, ModelLoadError, RequestCancelled, input_key,
+                                      validate_request)
+from replicadp_tasks.model import CacheMethod, ModelOptions, PipelineHolder, Quantize, StepCache, mag_ratios_file
+from replicadp_tasks.model.step_cache import count_block_work
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
@@ -47,7 +47,7 @@ def mag_ratios(tiny_model, tmp_path_factory) -> Path:
 
 def holder(tiny_model, method=CacheMethod.NONE, mag_ratios=None, **options) -> PipelineHolder:
     cache = StepCache.of(method, mag_ratios_path=mag_ratios, model="tiny", **KNOBS.get(method, {}))
-    h = PipelineHolder("tiny", model_cache=tiny_model.parent, cache=cache, **options)
+    h = PipelineHolder(ModelOptions("tiny", model_cache=tiny_model.parent, cache=cache, **options))
     h.load()
     return h
 
@@ -93,8 +93,8 @@ def test_quality_is_validated_and_part_of_the_identity(tiny_model, mag_ratios):
     plain, cached = holder(tiny_model), holder(tiny_model, CacheMethod.MAG, mag_ratios)
     assert plain.qualities == ["standard"] and cached.qualities == ["standard", "fast"]
     with pytest.raises(InvalidRequest, match="quality='fast': not served here"):
-        validate_request({**REQUEST, "quality": "fast"}, qualities=plain.qualities)
-    assert validate_request({**REQUEST, "quality": "fast"}, qualities=cached.qualities).quality == "fast"
+        validate_request({**REQUEST, "quality": "fast"}, Accepts(qualities=tuple(plain.qualities)))
+    assert validate_request({**REQUEST, "quality": "fast"}, Accepts(qualities=tuple(cached.qualities))).quality == "fast"
     pab = holder(tiny_model, CacheMethod.PAB)
     keys = {input_key(req(q).params(), "tiny", h.served(req(q)))
             for q, h in (("standard", plain), ("standard", cached), ("fast", cached), ("fast", pab))}
@@ -185,7 +185,7 @@ def test_isolation_protocol_with_standard_and_fast_interleaved(isa, redis_db, ti
     assert len(stored) == 16 + 4 + 16  # the baseline's requests, the check's warm-ups (its concurrency) and its own
     assert sorted(r["params"]["quality"] for r in stored) == ["fast"] * 18 + ["standard"] * 18
     h = holder(tiny_model, CacheMethod.MAG, mag_ratios)
-    fast_req = validate_request({"prompt": "x", "quality": "fast"}, qualities=h.qualities)
+    fast_req = validate_request({"prompt": "x", "quality": "fast"}, Accepts(qualities=tuple(h.qualities)))
     assert {r["params"]["quality"]: r["served"] for r in stored} == {"standard": {}, "fast": h.served(fast_req)}
     fast = next(r["params"] for r in stored if r["params"]["quality"] == "fast")
     calls = count_block_work(h.pipe.transformer)

@@ -15,8 +15,8 @@ from celery import states
 from client.api import _app_for
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, parent_of, wait_for, wait_for_reload, wait_for_step
-from replicadp_tasks.contract.keys import FENCE_KEY, HOLDERS_KEY, STATS_KEY, FenceToken
-from replicadp_tasks.contract.records import RequestState
+from replicadp_tasks.contract.keys import FENCE_KEY, FenceToken, HOLDERS_KEY, STATS_KEY
+from replicadp_tasks.contract import RequestState
 
 LEASE_S = 2
 

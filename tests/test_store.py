@@ -20,8 +20,9 @@ from client.api import _app_for
 from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from test_http import form_of, gateway, job_once, multipart
-from replicadp_tasks.contract.errors import StoreError
-from replicadp_tasks.outputs.store import DirStore, RedisStore, fetch_video
+from replicadp_tasks.contract import StoreError
+from replicadp_tasks.outputs.store import DirStore, RedisStore
+from replicadp_tasks.outputs import fetch_video
 
 # Writes in a process whose files may not grow past a limit (RLIMIT_FSIZE): the kernel fails the write with EFBIG,
 # as a full disk fails it with ENOSPC. Prints what put raised.

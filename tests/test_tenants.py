@@ -14,7 +14,7 @@ import redis
 from test_http import REPLICADP, SMALL, gateway, multipart
 
 from client.http.auth import ApiKeyError, owner_of, read_keys
-from replicadp_tasks.contract.scheduling import Priority, queue_lists
+from replicadp_tasks.contract import Priority, queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 ACME = ("key-acme-0123456789", "key-acme-rotated-0123")  # one tenant, two keys (a rotation)

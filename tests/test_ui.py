@@ -22,8 +22,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.select import Select
 from test_http import SMALL, auth, form_of, gateway, live, multipart, result_meta, slow  # noqa: F401 (fixtures)
 
-from replicadp_tasks.contract.records import READY, RequestState
-from replicadp_tasks.model.tiny_model import save_tiny_lora
+from replicadp_tasks.contract import READY, RequestState
+from replicadp_tasks.model import save_tiny_lora
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and "

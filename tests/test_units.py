@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 
 from client.submit import BatchFileError, read_batch
-from replicadp_tasks.contract.errors import InvalidRequest
-from replicadp_tasks.outputs.store import DirStore, RedisStore, fetch_video
-from replicadp_tasks.contract.request import DEFAULTS, input_key, validate_request
-from replicadp_tasks.outputs.video import decode_mp4, encode_mp4, frames_sha256
+from replicadp_tasks.contract import DEFAULTS, Accepts, InvalidRequest, input_key, validate_request
+from replicadp_tasks.outputs import decode_mp4, encode_mp4, fetch_video, frames_sha256
+from replicadp_tasks.outputs.store import DirStore, RedisStore
 
 
 def test_defaults_are_the_reference_workload():
     """Without arguments beyond the prompt, a request is vllm-omni's reference: 832x480, 33 frames, 30 steps."""
-    req = validate_request({"prompt": "x"}, size_multiple=32)
+    req = validate_request({"prompt": "x"}, Accepts(size_multiple=32))
     assert (req.width, req.height, req.num_frames, req.num_inference_steps) == (832, 480, 33, 30)
     assert req.seed == DEFAULTS["seed"]
 
@@ -49,13 +48,13 @@ def test_defaults_are_the_reference_workload():
 def test_validation_names_field_and_value(field, value, message):
     """Every bad value is refused with an error naming the field and the value; nothing is rounded."""
     with pytest.raises(InvalidRequest, match=message):
-        validate_request({"prompt": "a fox", field: value}, size_multiple=32)
+        validate_request({"prompt": "a fox", field: value}, Accepts(size_multiple=32))
 
 
 def test_missing_prompt_and_unicode_prompt():
     """The prompt is required; any Unicode is accepted as is."""
     with pytest.raises(InvalidRequest, match="prompt=None: is required"):
-        validate_request({}, size_multiple=16)
+        validate_request({}, Accepts(size_multiple=16))
     assert validate_request({"prompt": "狐狸 🦊 в снегу"}).prompt == "狐狸 🦊 в снегу"
 
 

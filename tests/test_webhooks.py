@@ -21,16 +21,16 @@ from test_http import gateway, post
 
 from client.api import _app_for
 from client.cli import main as cli
-from client.ops.metrics import Exporter
 from client.local.embedded import EmbeddedServer
+from client.ops.metrics import Exporter
 from client.submit import request_id_for
-from replicadp_tasks.contract.errors import InvalidRequest, RequestCancelled
+from replicadp_tasks.contract import (Event, InvalidRequest, RequestCancelled, Webhook, input_key, tenant_secret,
+                                      validate_request)
 from replicadp_tasks.contract.keys import (CANCEL_CHANNEL, CANCEL_KEY, STATS_KEY, WEBHOOK_DUE_KEY, WEBHOOK_EVENTS_KEY,
                                            WEBHOOK_SENT_KEY)
+from replicadp_tasks.contract.webhook import DEFAULT_EVENTS
 from replicadp_tasks.settings import Settings
-from replicadp_tasks.contract.request import input_key, validate_request
-from replicadp_tasks.webhooks.events import (ATTEMPTS, DEFAULT_EVENTS, MAX_EVENTS_PER_REQUEST, Event, Webhook,
-                                             backoff, emit, tenant_secret)
+from replicadp_tasks.webhooks import ATTEMPTS, MAX_EVENTS_PER_REQUEST, backoff, emit
 
 SECRET = "test-webhook-secret-0123456789abcdef"
 CLAIM_S = 10  # REPLICADP_WEBHOOK_CLAIM where a test waits for a claim to end (the default: 60)
@@ -161,7 +161,7 @@ def test_bad_webhook_fields_are_refused_by_name(fields, field, why):
     """A webhook that is not an http(s) URL of bounded length without credentials, or events that are not a
     non-empty list of the four, is refused with InvalidRequest naming the field and the value."""
     with pytest.raises(InvalidRequest, match=why) as caught:
-        validate_request({**SMALL, **fields}, webhook_policy=False)
+        validate_request({**SMALL, **fields})
     assert caught.value.field == field
     assert str(caught.value).startswith(f"{field}=")
 
@@ -170,7 +170,7 @@ def test_webhook_fields_are_not_part_of_the_input():
     """A webhook says how a request is told, not what it makes: the same input key with or without one, and
     `replicadp submit` gives a line the same request_id whatever webhook it names."""
     hooked = {**SMALL, "webhook": "https://example.com/hook", "webhook_events": ["started", "failed"]}
-    with_hook, without = validate_request(hooked, webhook_policy=False), validate_request(SMALL)
+    with_hook, without = validate_request(hooked), validate_request(SMALL)
     assert with_hook == without
     assert input_key(with_hook.params(), "tiny") == input_key(without.params(), "tiny")
     assert request_id_for(hooked) == request_id_for(SMALL)

@@ -11,10 +11,10 @@ from client.api import _app_for, fetch_video, live_replicas, run_requests
 from conftest import start_replicas
 from helpers import SYNTHETIC, SYNTHETIC_STEP_S, lasting, served_by_each, wait_for
 from replicadp_tasks import app, generate
-from replicadp_tasks.contract.errors import InvalidRequest, RequestIdConflict
-from replicadp_tasks.contract.records import RequestState
-from replicadp_tasks.tasks import PROGRESS_EVERY_S
-from replicadp_tasks.outputs.video import decode_mp4, frames_sha256
+from replicadp_tasks.contract import InvalidRequest, RequestIdConflict
+from replicadp_tasks.contract import RequestState
+from replicadp_tasks.replica.delivery import PROGRESS_EVERY_S
+from replicadp_tasks.outputs import decode_mp4, frames_sha256
 
 SMALL = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 4}
 

@@ -39,7 +39,7 @@ def run_demo(cfg: DemoConfig, log, redis_url: str | None = None) -> tuple[list[d
     with ExitStack() as stack:
         run_dir, url = scratch_run(stack, "replicadp-demo-", redis_url, log)
         if cfg.model.startswith("tiny"):
-            from replicadp_tasks.model.pipeline import resolve_model
+            from replicadp_tasks.model import resolve_model
 
             log(f"tiny model: {resolve_model(cfg.model, SETTINGS.model_cache)}")
         output_dir = cfg.output_dir.resolve()

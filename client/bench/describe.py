@@ -5,14 +5,13 @@ figures for sizing a GPU and behind the bench's model FLOP utilisation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.table import Table
 
-from replicadp_tasks.model.architectures import (ARCHITECTURES, GPU_MEMORY_GIB, architecture, build_components,
-                                                 build_tokenizer, describe, reference_expert_flops, video_tokens)
-from replicadp_tasks.model.adapters import read_registry
-from replicadp_tasks.model.memory import Offload, needs, size, usable
-from replicadp_tasks.model.parallel import Layout
-from replicadp_tasks.model.pipeline import RANDOM_PREFIX, TINY_SPECS, placement
+from replicadp_tasks.contract import split_refusal
+from replicadp_tasks.model import (RANDOM_PREFIX, TINY_SPECS, Layout, ModelOptions, Offload, architectures, conflicts,
+                                   memory, read_registry)
 
 from ..progress import console
 
@@ -22,17 +21,17 @@ def architecture_of(spec: str) -> str:
     none."""
     name = spec.removeprefix(RANDOM_PREFIX)
     name = f"tiny-{TINY_SPECS[name]}" if name in TINY_SPECS else name
-    if name not in ARCHITECTURES:
-        raise ValueError(f"{spec!r}: expected random:ARCH with ARCH one of {', '.join(sorted(ARCHITECTURES))}, or "
-                         f"{', '.join(TINY_SPECS)}")
+    if name not in architectures.ARCHITECTURES:
+        raise ValueError(f"{spec!r}: expected random:ARCH with ARCH one of "
+                         f"{', '.join(sorted(architectures.ARCHITECTURES))}, or {', '.join(TINY_SPECS)}")
     return name
 
 
-def memory(rows: list[dict], gpus: int, gpu_memory_gib: float) -> dict:
+def weights_per_gpu(rows: list[dict], gpus: int, gpu_memory_gib: float) -> dict:
     """The weights as served on each of `gpus` GPUs of `gpu_memory_gib`, placed as a replica places them
-    (pipeline.placement: both experts together), and whether each GPU holds its share. Weights only: the
+    (memory.placement: both experts together), and whether each GPU holds its share. Weights only: the
     activations of a request, the CUDA context and the allocator's slack come on top."""
-    where = placement([r["component"] for r in rows], gpus)
+    where = memory.placement([r["component"] for r in rows], gpus)
     per_gpu = [sum(r["served_bytes"] for r in rows if where[r["component"]] == i) for i in range(gpus)]
     return {"gpus": gpus, "gpu_memory_gib": gpu_memory_gib, "weights_bytes_per_gpu": per_gpu,
             "fits": all(b <= gpu_memory_gib * 2**30 for b in per_gpu)}
@@ -43,14 +42,14 @@ def offload_needs(name: str, gpus: int, gpu_memory_gib: float) -> list[dict]:
     module trees built on the meta device), whether that fits, and why an option cannot serve this replica."""
     import torch
 
+    arch = architectures.architecture(name)
     with torch.device("meta"):
-        models = build_components(architecture(name), build_tokenizer(), torch.bfloat16)
-    devices = [f"cuda:{i}" for i in range(gpus)]
+        models = architectures.build_components(arch, architectures.build_tokenizer(), torch.bfloat16)
+    devices = memory.Devices([f"cuda:{i}" for i in range(gpus)], [None] * gpus, streamed=True)
     rows = []
     for option in Offload:
-        why = usable(option, models, devices)
-        peak = None if why else max(n.total for n in needs(models, option, devices, placement(list(models), gpus),
-                                                            streamed=True))
+        why = memory.usable(option, models, devices.names)
+        peak = None if why else max(n.total for n in memory.needs(models, option, devices))
         rows.append({"offload": option.value, "weights_bytes": peak,
                      "fits": None if why else peak <= gpu_memory_gib * 2**30, "unusable": why})
     return rows
@@ -60,14 +59,11 @@ def layout_figures(name: str, layout: Layout, *, width: int, height: int, num_fr
     """A replica over `layout`'s ranks: each rank's share of the transformer FLOPs (guidance on: cfg:2 gives each
     half its passes, the sequence ranks each a slice of the tokens), or why the replica would refuse the layout
     (the Ulysses degree against the heads) or this request shape (the tokens against the sequence ranks)."""
-    cfg, vae = architecture(name).transformer, architecture(name).vae
-    tokens = video_tokens(cfg, height=height, width=width, num_frames=num_frames,
-                          vae_spatial=vae.get("scale_factor_spatial", 8), vae_temporal=vae.get("scale_factor_temporal", 4))
-    refused = None
-    if cfg["num_attention_heads"] % layout.ulysses:
-        refused = f"the model's {cfg['num_attention_heads']} attention heads do not split over {layout.ulysses} ranks"
-    elif tokens % layout.sequence:
-        refused = f"this shape's {tokens} video tokens do not split over {layout.sequence} sequence ranks"
+    cfg, vae = architectures.architecture(name).transformer, architectures.architecture(name).vae
+    tokens = architectures.video_tokens(cfg, height=height, width=width, num_frames=num_frames,
+                                        vae_spatial=vae.get("scale_factor_spatial", 8),
+                                        vae_temporal=vae.get("scale_factor_temporal", 4))
+    refused = layout.heads_refusal(cfg["num_attention_heads"]) or split_refusal(tokens, layout.sequence)
     return {"layout": str(layout), "ranks": layout.size, "video_tokens": tokens, "refused": refused,
             "dit_flops_per_rank": dit_flops // layout.size}
 
@@ -75,7 +71,7 @@ def layout_figures(name: str, layout: Layout, *, width: int, height: int, num_fr
 def adapter_rows(name: str, loras_file: str | None) -> list[dict]:
     """The LoRA adapters REPLICADP_LORAS registers (read, not loaded: ModelLoadError naming a mistake), each with
     the experts it would be loaded into, or why this model cannot take it (an expert it does not have)."""
-    experts = list(architecture(name).experts)
+    experts = list(architectures.architecture(name).experts)
     rows = []
     for reg in read_registry(loras_file):
         missing = [e for e in reg.experts or () if e not in experts]
@@ -86,24 +82,26 @@ def adapter_rows(name: str, loras_file: str | None) -> list[dict]:
 
 
 def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, peak_tflops: float,
-            gpus: int = 1, gpu_memory_gib: float = GPU_MEMORY_GIB, layout: Layout = Layout(),
-            loras_file: str | None = None) -> dict:
+            gpus: int = 1, gpu_memory_gib: float = architectures.GPU_MEMORY_GIB,
+            options: ModelOptions | None = None) -> dict:
     """Each component's parameters (built on the meta device: nothing is allocated), each expert's steps and
     FLOPs for one request of that shape, guidance on (`dit_flops`: all experts together), whether `gpus`
-    GPUs of `gpu_memory_gib` hold the weights, all resident and with each memory option, and, for a layout over
-    several ranks, each rank's share (layout_figures), and the LoRA adapters a replica would register
-    (adapter_rows)."""
-    rows = describe(name)
-    experts = reference_expert_flops(name, width=width, height=height, num_frames=num_frames, steps=steps)
+    GPUs of `gpu_memory_gib` hold the weights, all resident and with each memory option, and, for the deployment's
+    `options` (model/options.py): what a replica would refuse to combine (compatibility.conflicts), each rank's
+    share of a layout over several (layout_figures), and the LoRA adapters it would register (adapter_rows)."""
+    options = options or ModelOptions(name, model_cache=Path("."))
+    layout = options.layout
+    rows = architectures.describe(name)
+    experts = architectures.reference_expert_flops(name, width=width, height=height, num_frames=num_frames, steps=steps)
     dit_flops = sum(e["dit_flops"] for e in experts.values())
     return {"architecture": name, "components": rows,
             "request": {"width": width, "height": height, "num_frames": num_frames, "steps": steps, "guidance": True},
-            "boundary_ratio": architecture(name).boundary_ratio, "experts": experts,
-            "dit_flops": dit_flops, "peak_tflops": peak_tflops, "memory": memory(rows, gpus, gpu_memory_gib),
+            "boundary_ratio": architectures.architecture(name).boundary_ratio, "experts": experts,
+            "dit_flops": dit_flops, "peak_tflops": peak_tflops, "memory": weights_per_gpu(rows, gpus, gpu_memory_gib),
             "offload": offload_needs(name, gpus, gpu_memory_gib),
             "parallel": layout_figures(name, layout, width=width, height=height, num_frames=num_frames,
                                        dit_flops=dit_flops) if layout.size > 1 else None,
-            "loras": adapter_rows(name, loras_file)}
+            "loras": adapter_rows(name, options.loras_file), "conflicts": conflicts(options)}
 
 
 def print_figures(fig: dict) -> None:
@@ -131,7 +129,7 @@ def print_figures(fig: dict) -> None:
     console.print(f"weights on {mem['gpus']} GPU(s) of {mem['gpu_memory_gib']:g} GiB: {shares} GiB: "
                   f"{'fits' if mem['fits'] else 'does NOT fit'} (weights only; activations come on top)")
     for o in fig["offload"]:
-        held = (f"{size(o['weights_bytes'])} at most on a GPU: {'fits' if o['fits'] else 'does NOT fit'}"
+        held = (f"{memory.size(o['weights_bytes'])} at most on a GPU: {'fits' if o['fits'] else 'does NOT fit'}"
                 if o["unusable"] is None else f"not for this replica ({o['unusable'].split('. ')[0]})")
         console.print(f"  REPLICADP_OFFLOAD={o['offload']}: {held}")
     par = fig["parallel"]
@@ -145,6 +143,8 @@ def print_figures(fig: dict) -> None:
                           f"with --gpus 1); transformer FLOPs per rank {per_rank / 1e15:.2f} PFLOP: "
                           f"{per_rank / (peak * 1e12):.2f} s at {peak:g} TFLOP/s, before communication "
                           f"(bench/parallel.py --model-only prices it)")
+    for refused in fig["conflicts"]:
+        console.print(f"refused: {refused}")
     for a in fig["loras"]:
         where = f"not for this model: {a['refused']}" if a["refused"] else f"into {', '.join(a['experts'])}"
         console.print(f"REPLICADP_LORAS: adapter {a['name']!r} ({a['source']}), default scale {a['scale']:g}: "

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from replicadp_tasks.contract.request import input_key
-from replicadp_tasks.outputs.video import decode_mp4
+from replicadp_tasks.contract import input_key
+from replicadp_tasks.outputs import decode_mp4
 
 from ..api import Outcome, fetch_video
 

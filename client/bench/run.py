@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from replicadp_tasks.cluster import connection
-from replicadp_tasks.model.architectures import PEAK_TFLOPS
-from replicadp_tasks.contract.request import DEFAULTS
+from replicadp_tasks.contract import DEFAULTS
+from replicadp_tasks.model import PEAK_TFLOPS
 
 from ..api import ClientError, Outcome, check_redis, fetch_video, redis_url, run_requests
 from ..ops.status import replica_info

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from replicadp_tasks import app as celery_app
-from replicadp_tasks.contract.keys import ADMITTING_KEY, COMPLETED_KEY
-from replicadp_tasks.contract.scheduling import queue_lists
+from replicadp_tasks.cluster import lua
+from replicadp_tasks.contract import keys, queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 from .errors import ErrorCode, GatewayError
@@ -29,23 +29,7 @@ ADMIT_STALE_S = 60
 THROUGHPUT_WINDOW_S = 300  # completions over this window estimate Retry-After
 RETRY_AFTER_UNKNOWN_S = 10  # Retry-After when nothing completed lately (no rate to estimate from)
 
-# KEYS: the reservations, then the queue's lists; ARGV: the limit, the task id, ADMIT_STALE_S.
-# Returns {admitted, depth}.
-RESERVE = """
-local now = redis.call('TIME')
-now = tonumber(now[1]) + tonumber(now[2]) / 1e6
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]))
-local depth = redis.call('ZCARD', KEYS[1])
-for i = 2, #KEYS do
-  depth = depth + redis.call('LLEN', KEYS[i])
-end
-if depth >= tonumber(ARGV[1]) then
-  return {0, depth}
-end
-redis.call('ZADD', KEYS[1], now, ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return {1, depth}
-"""
+RESERVE = lua(__package__, "reserve")
 
 
 class Admission:
@@ -53,7 +37,7 @@ class Admission:
 
     def __init__(self, client: aioredis.Redis, limit: int):
         self.client, self.limit = client, limit
-        self.reservations = ADMITTING_KEY + SETTINGS.queue
+        self.reservations = keys.ADMITTING_KEY + SETTINGS.queue
         self._reserve = client.register_script(RESERVE)
 
     async def reserve(self, task_id: str) -> None:
@@ -75,7 +59,7 @@ class Admission:
         """Seconds until the queue is likely below the limit again: the requests past it over the cluster's
         completion rate of the last THROUGHPUT_WINDOW_S (every replica's, not only this gateway's)."""
         now = time.time()
-        done = await self.client.zcount(COMPLETED_KEY, now - THROUGHPUT_WINDOW_S, now)
+        done = await self.client.zcount(keys.COMPLETED_KEY, now - THROUGHPUT_WINDOW_S, now)
         if not done:
             return RETRY_AFTER_UNKNOWN_S
         return max(1, math.ceil((depth - self.limit + 1) * THROUGHPUT_WINDOW_S / done))

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.main import STARTUP_FAILURE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from replicadp_tasks.contract.errors import StoreError
+from replicadp_tasks.contract import StoreError
 from replicadp_tasks.settings import SETTINGS
 
 from .auth import ApiKeys, KeyPolicy

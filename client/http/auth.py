@@ -11,7 +11,7 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replicadp_tasks.contract.scheduling import TENANT_RE, Priority
+from replicadp_tasks.contract import TENANT_RE, Priority
 
 from .errors import ErrorCode, error_response
 

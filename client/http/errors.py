@@ -7,7 +7,7 @@ from enum import StrEnum
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.contract import InvalidRequest
 
 # generate's argument -> the form field it comes from
 HTTP_NAMES = {"image": "input_reference", "webhook": "webhook_url"}

@@ -11,9 +11,8 @@ from typing import Annotated
 
 from fastapi import File, Form, Request, UploadFile
 
-from replicadp_tasks.contract.errors import InvalidRequest
+from replicadp_tasks.contract import DEFAULTS, MAX_FPS, MAX_FRAMES, InvalidRequest, parse_size
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.contract.request import DEFAULTS, MAX_FPS, MAX_FRAMES, parse_size
 
 from .errors import ErrorCode, GatewayError
 

@@ -1,7 +1,7 @@
 """The gateway: what one gateway process knows of the cluster and does to it, for the routes.
 
 It holds no state of its own: a job id is the Celery task id, a job's state is its result in the backend, and
-the list of jobs lives in Redis (keys.JOBS_KEY, JOB_KEY), so several gateways can serve side by side.
+the list of jobs lives in Redis (keys.JOBS_KEY, keys.JOB_KEY), so several gateways can serve side by side.
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ from fastapi import Request
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from replicadp_tasks import app as celery_app
-from replicadp_tasks.cluster import connection
-from replicadp_tasks import generate
-from replicadp_tasks.contract.errors import InvalidRequest
-from replicadp_tasks.contract.keys import JOB_KEY, JOBS_KEY, POSTER_KEY, REPLICA_KEY
-from replicadp_tasks.contract.records import READY, RequestState
-from replicadp_tasks.contract.scheduling import Priority, check_priority, queue_lists
+from replicadp_tasks import app as celery_app, generate
+from replicadp_tasks.cluster import connection, lua
+from replicadp_tasks.contract import (READY, Accepts, GenerateRequest, InvalidRequest, Priority, RequestState,
+                                      check_priority, keys, queue_lists, validate_request)
+from replicadp_tasks.outputs import poster_jpeg
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.contract.request import validate_request
-from replicadp_tasks.outputs.video import poster_jpeg
+from replicadp_tasks.webhooks import check_allowed
 
 from ..api import cancel_request, fetch_video, live_replicas, redis_url, remove_video
 from ..ops.status import accepted_by
@@ -47,29 +44,11 @@ REDIS_RETRIES = 1
 # And an idle connection is PINGed before use when it has been idle this long (s), which replaces a dead one first.
 REDIS_HEALTH_CHECK_S = 5
 # Where queued jobs wait: each list of the queue read once a second per gateway (the first QUEUE_SCAN messages of
-# each, ~3 ms of Redis's time for 2000 messages of 1 kB), whatever the number of jobs and pages polling; past that,
+# each: docs/http.md, `queue_position`, says what a read costs), whatever the number of jobs and pages polling; past that,
 # a job has no position. A job queued since the last read has none until the next.
 QUEUE_SCAN = 2000
 QUEUE_ORDER_CACHE_S = 1.0
-# KEYS: the queue's lists, in the order replicas take from them; ARGV[1]: how many messages of each to read. Per
-# list: its length, and the task ids of its first ARGV[1] messages from the end replicas take from (BRPOP: the
-# right). A message names its task id in its headers as `"id": "<uuid>"`, the first `"id": ` of kombu's JSON (the
-# body is base64, and text a request carries sits inside JSON strings, its quotes escaped).
-_QUEUE_ORDER = """
-local out = {}
-for _, key in ipairs(KEYS) do
-  local items = redis.call('LRANGE', key, -tonumber(ARGV[1]), -1)
-  local ids = {}
-  for i = #items, 1, -1 do
-    local at = string.find(items[i], '"id": "', 1, true)
-    local stop = at and string.find(items[i], '"', at + 7, true)
-    ids[#ids + 1] = stop and string.sub(items[i], at + 7, stop - 1) or ''
-  end
-  out[#out + 1] = redis.call('LLEN', key)
-  out[#out + 1] = ids
-end
-return out
-"""
+_QUEUE_ORDER = lua(__package__, "queue_order")
 CANCEL_WATCH_POLL_S = 0.5  # how often a request deleted as it ran is checked until it ends (watch_cancelled)
 CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
 LIVE_CACHE_S = 1.0  # every request asks for the live replicas (a Redis read): at most one read a second
@@ -88,6 +67,14 @@ class Admitted:
     job: dict  # the job record's request fields (schema.VideoJob's): model, prompt, size, seconds, ...
     admitted_at: float = field(default_factory=time.time)  # a job's created_at, also for a sync request handed over
 
+
+
+def validated(kwargs: dict, accepted: Accepts) -> GenerateRequest:
+    """`kwargs` checked as the task will check them, against what the live replicas accept and this deployment's
+    limits and webhook policy: InvalidRequest naming the field."""
+    req = validate_request(kwargs, accepted, max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work)
+    check_allowed(req.webhook)
+    return req
 
 class Refreshed:
     """A value that `read()` (a coroutine function) makes, reused while `max_age` seconds fresh and then read again
@@ -154,7 +141,7 @@ class Gateway:
 
     async def _read_replicas(self) -> list[dict]:
         names = await asyncio.to_thread(live_replicas, 1.0, redis_url())
-        raws = await self.redis.mget([REPLICA_KEY + n for n in names]) if names else []
+        raws = await self.redis.mget([keys.REPLICA_KEY + n for n in names]) if names else []
         return [{**(json.loads(raw) if raw else {}), "name": n} for n, raw in zip(names, raws)]
 
     async def replicas(self) -> list[dict]:
@@ -196,7 +183,7 @@ class Gateway:
         """Validate as the task will (400), check the key's priority (403) and the model (400), and admit against
         the queue depth (429). The request goes as the key's tenant (its fairness lane, its webhook secret).
         Send what it admitted with `send` or `run_sync`."""
-        # The size multiple and qualities every live replica accepts (any may take it); the task checks again.
+        # What every live replica accepts (any may take it); the task checks again.
         accepted = accepted_by(await self.replicas())
         try:
             kwargs = generate_kwargs(form)
@@ -204,10 +191,7 @@ class Gateway:
                 kwargs["tenant"] = key.owner
             # In a thread: a webhook's host is resolved to check its addresses (fetch.target), which may take
             # as long as the resolver does.
-            req = await asyncio.to_thread(validate_request, kwargs, size_multiple=accepted.size_multiple,
-                                          max_prompt_chars=SETTINGS.max_prompt_chars, max_work=SETTINGS.max_work,
-                                          qualities=accepted.qualities, experts=accepted.experts,
-                                          requires_image=accepted.requires_image, loras=accepted.loras)
+            req = await asyncio.to_thread(validated, kwargs, accepted)
         except InvalidRequest as exc:
             raise invalid(exc) from None
         asked = check_priority(kwargs.get("priority"))
@@ -296,8 +280,8 @@ class Gateway:
         now = admitted.admitted_at
         record = {"id": admitted.task_id, "created_at": int(now), "admitted_at": now, **admitted.job, "owner": owner}
         async with self.redis.pipeline() as pipe:
-            pipe.set(JOB_KEY + admitted.task_id, json.dumps(record), ex=SETTINGS.result_ttl_s)
-            for key in {JOBS_KEY, jobs_of(owner)}:
+            pipe.set(keys.JOB_KEY + admitted.task_id, json.dumps(record), ex=SETTINGS.result_ttl_s)
+            for key in {keys.JOBS_KEY, jobs_of(owner)}:
                 pipe.zadd(key, {admitted.task_id: now})
                 pipe.zremrangebyscore(key, 0, now - SETTINGS.result_ttl_s)
             await pipe.execute()
@@ -308,8 +292,8 @@ class Gateway:
         cancelled), and no longer listed; returns its record as marked."""
         marked = {**record, "cancelled_at": time.time()}
         async with self.redis.pipeline() as pipe:
-            pipe.set(JOB_KEY + record["id"], json.dumps(marked), ex=SETTINGS.result_ttl_s)
-            for key in {JOBS_KEY, jobs_of(record.get("owner"))}:
+            pipe.set(keys.JOB_KEY + record["id"], json.dumps(marked), ex=SETTINGS.result_ttl_s)
+            for key in {keys.JOBS_KEY, jobs_of(record.get("owner"))}:
                 pipe.zrem(key, record["id"])
             await pipe.execute()
         return marked
@@ -336,18 +320,18 @@ class Gateway:
 
     async def poster(self, video_id: str, result: dict, longest: int) -> bytes:
         """The JPEG of a completed job's first frame (video.poster_jpeg), made once and kept with the job."""
-        kept = await self.redis.get(POSTER_KEY + video_id)
+        kept = await self.redis.get(keys.POSTER_KEY + video_id)
         if kept is not None:
             return kept
         video = await asyncio.to_thread(fetch_video, result)
         poster = await asyncio.to_thread(poster_jpeg, video, longest)
-        await self.redis.set(POSTER_KEY + video_id, poster, ex=SETTINGS.result_ttl_s)
+        await self.redis.set(keys.POSTER_KEY + video_id, poster, ex=SETTINGS.result_ttl_s)
         return poster
 
     async def forget(self, record: dict) -> None:
         async with self.redis.pipeline() as pipe:
-            pipe.delete(JOB_KEY + record["id"], POSTER_KEY + record["id"])
-            for key in {JOBS_KEY, jobs_of(record.get("owner"))}:
+            pipe.delete(keys.JOB_KEY + record["id"], keys.POSTER_KEY + record["id"])
+            for key in {keys.JOBS_KEY, jobs_of(record.get("owner"))}:
                 pipe.zrem(key, record["id"])
             await pipe.execute()
 
@@ -369,7 +353,7 @@ class Gateway:
         if not ids:
             return []
         backend = celery_app.backend
-        records = await self.redis.mget([JOB_KEY + i for i in ids])
+        records = await self.redis.mget([keys.JOB_KEY + i for i in ids])
         metas = await self.redis.mget([backend.get_key_for_task(i) for i in ids])
         return [(json.loads(rec), backend.decode_result(meta) if meta else None)
                 for rec, meta in zip(records, metas) if rec]
@@ -387,6 +371,6 @@ class Gateway:
 
 
 def jobs_of(owner: str | None) -> str:
-    """The sorted set of `owner`'s jobs; None: those made without an API key (a set of their own, not JOBS_KEY,
+    """The sorted set of `owner`'s jobs; None: those made without an API key (a set of their own, not keys.JOBS_KEY,
     every job's, and no name an owner's set can have)."""
-    return f"{JOBS_KEY}-keyless" if owner is None else f"{JOBS_KEY}:{owner}"
+    return f"{keys.JOBS_KEY}-keyless" if owner is None else f"{keys.JOBS_KEY}:{owner}"

@@ -8,7 +8,7 @@ from datetime import datetime
 
 from fastapi.responses import Response
 
-from replicadp_tasks.contract.records import READY, RequestState, Result
+from replicadp_tasks.contract import READY, RequestState, Result
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import with_fresh_url

@@ -9,8 +9,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 
-from replicadp_tasks.contract.records import RequestState
-from replicadp_tasks.model.step_cache import Quality
+from replicadp_tasks.contract import Quality, RequestState
 
 from ..api import cancel_request, fetch_video, remove_video
 from ..ops.status import fast_path
@@ -19,8 +18,7 @@ from .errors import ErrorCode, GatewayError, failure
 from .form import VideoForm, video_form
 from .gateway import Gateway
 from .jobs import job_view, video_response
-from .schema import (ERRORS, Health, JobOrder, ModelCard, ModelList, ModelReplica, VideoDeleted, VideoJob,
-                     VideoList)
+from .schema import ERRORS, Health, JobOrder, ModelCard, ModelList, ModelReplica, VideoDeleted, VideoJob, VideoList
 from .waits import capacity, expected_start_s, recents, snapshots
 
 router = APIRouter()

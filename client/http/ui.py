@@ -11,8 +11,7 @@ from importlib.resources import files
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, RedirectResponse
 
-from replicadp_tasks.contract.keys import REPLICA_KEY
-from replicadp_tasks.contract.request import DEFAULTS as REQUEST_DEFAULTS
+from replicadp_tasks.contract import DEFAULTS as REQUEST_DEFAULTS, keys
 
 from .errors import ErrorCode, GatewayError
 from .jobs import job_view
@@ -80,7 +79,7 @@ async def status(request: Request, gw: GatewayDep, owner: OwnerDep):
     though the snapshot may still say so."""
     snap = await snapshots(request).get()
     names = [r["name"] for r in snap["replicas"]]
-    raws = await gw.redis.mget([REPLICA_KEY + n for n in names]) if names else []
+    raws = await gw.redis.mget([keys.REPLICA_KEY + n for n in names]) if names else []
     ids = [r["request_id"] for r in snap["replicas"] if r["request_id"]]
     now = time.time()
     mine = {record["id"]: job_view(record, meta, now) for record, meta in await gw.job_records(ids)

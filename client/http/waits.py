@@ -8,9 +8,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from replicadp_tasks.contract.keys import JOBS_KEY
-from replicadp_tasks.contract.records import RequestState
-from replicadp_tasks.contract.scheduling import Priority
+from replicadp_tasks.contract import Priority, RequestState, keys
 
 from ..ops.status import snapshot
 from .gateway import Gateway, Refreshed
@@ -60,7 +58,7 @@ def recents(request: Request) -> Refreshed:
 async def recent(gw: Gateway) -> Recent:
     """The Recent cost over the latest MEAN_OVER_JOBS completed jobs among the latest jobs of every gateway on
     this Redis."""
-    ids = [i.decode() for i in await gw.redis.zrevrange(JOBS_KEY, 0, 2 * MEAN_OVER_JOBS - 1)]
+    ids = [i.decode() for i in await gw.redis.zrevrange(keys.JOBS_KEY, 0, 2 * MEAN_OVER_JOBS - 1)]
     done = [meta["result"] for _, meta in await gw.job_records(ids)
             if meta and meta["status"] == RequestState.SUCCESS][:MEAN_OVER_JOBS]
     if not done:

@@ -15,7 +15,7 @@ import secrets
 import time
 from pathlib import Path
 
-from replicadp_tasks.contract.keys import REPLICATED_KEY
+from replicadp_tasks.contract import keys
 
 from .embedded import EmbeddedServer
 
@@ -91,7 +91,7 @@ class HAStack:
         master = redis.Redis(host=host, port=port, password=self.password, socket_timeout=2)
         if master.info("replication").get("connected_slaves", 0) < REPLICAS:
             return False
-        master.incr(REPLICATED_KEY)  # refused while min-replicas-to-write is not met
+        master.incr(keys.REPLICATED_KEY)  # refused while min-replicas-to-write is not met
         for sentinel in self.sentinels:
             info = self._sentinel(sentinel).sentinel_master(MASTER_NAME)
             if info["num-slaves"] < REPLICAS or info["num-other-sentinels"] < SENTINELS - 1:

@@ -1,5 +1,5 @@
 """`replicadp calibrate-mag`: MagCache's ratios measured on the served model, written where its replicas read
-them (REPLICADP_MAG_RATIOS, by default a file per model in the model cache: step_cache.mag_ratios_file)."""
+them (REPLICADP_MAG_RATIOS, by default a file per model in the model cache: model/step_cache.mag_ratios_file)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import os
 import time
 from pathlib import Path
 
-from replicadp_tasks.model.pipeline import PipelineHolder
+from replicadp_tasks.contract import validate_request
+from replicadp_tasks.model import ModelOptions, PipelineHolder, calibrate_mag, mag_ratios_file
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.model.step_cache import calibrate_mag, mag_ratios_file
-from replicadp_tasks.contract.request import validate_request
 
 from ..bench.run import PROMPTS
 
@@ -25,12 +24,14 @@ def ratios_path(model: str) -> Path:
 def calibrate(model: str, *, width: int, height: int, num_frames: int, steps: int, prompts: int, out: Path) -> dict:
     """Load `model` here (on this process's GPU, else the CPU), run `prompts` requests on the exact path, and write
     the mean ratio per step to `out`. Returns what was written."""
-    holder = PipelineHolder(model, model_cache=SETTINGS.model_cache, threads=SETTINGS.threads,
-                            attention=SETTINGS.attention, deterministic=SETTINGS.deterministic)
+    # The exact path of the deployment's model, without what would change its residuals (a cache, adapters, a
+    # layout over several processes).
+    holder = PipelineHolder(ModelOptions(model, model_cache=SETTINGS.model_cache, threads=SETTINGS.threads,
+                                         attention=SETTINGS.attention, deterministic=SETTINGS.deterministic))
     holder.load()
     requests = [validate_request({"prompt": PROMPTS[i % len(PROMPTS)], "seed": i, "width": width, "height": height,
-                                  "num_frames": num_frames, "num_inference_steps": steps},
-                                 size_multiple=holder.size_multiple) for i in range(prompts)]
+                                  "num_frames": num_frames, "num_inference_steps": steps}, holder.accepts)
+                for i in range(prompts)]
     started = time.time()
     ratios = calibrate_mag(holder, requests)
     saved = {"model": model, "num_inference_steps": steps, "size": f"{width}x{height}", "num_frames": num_frames,

@@ -23,7 +23,7 @@ from celery.utils.nodenames import host_format
 
 from replicadp_tasks import app
 from replicadp_tasks.cluster import connection
-from replicadp_tasks.contract.keys import SEEN_KEY
+from replicadp_tasks.contract import keys
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import redis_url
@@ -55,7 +55,7 @@ def check(name: str, stall_s: float = STALL_S, timeout: float = REPLY_TIMEOUT_S)
     now = time.time()
     if active[name]:
         return _progress(client, name, active[name][0]["id"], stall_s, now)
-    client.delete(SEEN_KEY + name)
+    client.delete(keys.SEEN_KEY + name)
     if not any(q["name"] == SETTINGS.queue for q in queues[name]):
         return Verdict(False, f"{name}: idle and not consuming queue {SETTINGS.queue!r} (still loading its model, "
                               "or its consumer was lost)")
@@ -72,7 +72,7 @@ def _progress(client, name: str, task_id: str, stall_s: float, now: float) -> Ve
     info = AsyncResult(task_id, app=app).info
     step = info.get("step") if isinstance(info, dict) else None
     total = info.get("total_steps") if isinstance(info, dict) else None
-    key = SEEN_KEY + name
+    key = keys.SEEN_KEY + name
     seen = json.loads(client.get(key) or "{}")
     if (seen.get("task"), seen.get("step")) != (task_id, step):
         seen = {"task": task_id, "step": step, "since": now}

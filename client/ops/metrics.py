@@ -20,8 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from replicadp_tasks import app
 from replicadp_tasks.cluster import connection
+from replicadp_tasks.contract import keys
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.contract.keys import DEAD_KEY, STATS_KEY
 
 from ..api import redis_url
 from .status import queue_head, waited_s
@@ -73,7 +73,7 @@ class Exporter:
         up = GaugeMetricFamily("replicadp_redis_up", "1 if Redis answered this scrape")
         try:
             depths, head = queue_head(self.redis)
-            stats, dead = self.redis.hgetall(STATS_KEY), self.redis.llen(DEAD_KEY)
+            stats, dead = self.redis.hgetall(keys.STATS_KEY), self.redis.llen(keys.DEAD_KEY)
         except redis.exceptions.RedisError as exc:
             log.warning("scrape: Redis: %s", exc)
             up.add_metric([], 0)

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-
 import redis
 from celery.result import AsyncResult
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from replicadp_tasks import app
-from replicadp_tasks.cluster import connection
-from replicadp_tasks.cluster.heartbeat import read
-from replicadp_tasks.contract.keys import COMPLETED_KEY, REPLICA_KEY
-from replicadp_tasks.contract.records import Phase
-from replicadp_tasks.contract.scheduling import Priority, next_request
+from replicadp_tasks.broker import next_request
+from replicadp_tasks.cluster import connection, heartbeat
+from replicadp_tasks.contract import Accepts, Phase, Priority, Quality, keys
 from replicadp_tasks.settings import SETTINGS
-from replicadp_tasks.model.step_cache import Quality
 
 from ..api import live_replicas, redis_client, redis_url
 
@@ -29,7 +24,7 @@ THROUGHPUT_WINDOWS_MIN = (1, 5, 15)  # videos/min over these recent windows (com
 
 def replica_info(client, names) -> dict:
     """What each replica published when it loaded its model (model, device, pid)."""
-    raws = client.mget([REPLICA_KEY + n for n in names]) if names else []
+    raws = client.mget([keys.REPLICA_KEY + n for n in names]) if names else []
     return {n: json.loads(r) if r else {} for n, r in zip(names, raws)}
 
 
@@ -39,43 +34,34 @@ def fast_path(info: dict) -> str | None:
     return info.get("cache") if Quality.FAST in (info.get("qualities") or []) else None
 
 
-@dataclass(frozen=True)
-class Accepted:
-    """What every live replica accepts, as the gateway and the CLI check it before sending: the size multiple of
-    their model, and the qualities all of them serve (None: unknown, no replica is live; the task checks)."""
-
-    size_multiple: int = 16  # Wan's smallest, while no replica says what its model needs
-    qualities: list[str] | None = None
-    experts: int | None = None  # the fewest transformers of their models: 1 refuses the two-expert fields
-    requires_image: bool = False  # some serve an image-to-video model: a request without `image` may not land there
-    loras: dict[str, float] | None = None  # the adapters every one of them registered, with a default scale
-
-
-def accepted_by(infos: list[dict]) -> Accepted:
-    """What the replicas of these ReplicaInfos all accept: any of them may take a request."""
+def accepted_by(infos: list[dict]) -> Accepts:
+    """What the replicas of these ReplicaInfos all accept (any of them may take a request), as the gateway and the
+    CLI check a request before sending it: the largest size multiple, the qualities all of them serve, the fewest
+    experts (1 refuses the two-expert fields), a first frame required if some serve an image-to-video model, the
+    adapters every one of them registered. With none live: Accepts(), and the task checks."""
     if not infos:
-        return Accepted()
+        return Accepts()
     served = set.intersection(*(set(i.get("qualities") or [Quality.STANDARD]) for i in infos))
     everywhere = set.intersection(*({a["name"] for a in i.get("loras") or []} for i in infos))
     loras = {a["name"]: a["scale"] for a in infos[0].get("loras") or [] if a["name"] in everywhere}
-    return Accepted(max(int(i.get("size_multiple") or 16) for i in infos), sorted(served, reverse=True),
-                    min(int(i.get("experts") or 1) for i in infos), any(i.get("requires_image") for i in infos),
-                    loras)
+    return Accepts(size_multiple=max(int(i.get("size_multiple") or 16) for i in infos),
+                   qualities=tuple(sorted(served, reverse=True)), experts=min(int(i.get("experts") or 1) for i in infos),
+                   requires_image=any(i.get("requires_image") for i in infos), loras=loras)
 
 
-def live_accepted(timeout: float = 1.0) -> Accepted:
-    """What the live replicas accept, read once from Redis; Accepted() while none is live or Redis is unreachable
+def live_accepted(timeout: float = 1.0) -> Accepts:
+    """What the live replicas accept, read once from Redis; Accepts() while none is live or Redis is unreachable
     (the send that follows says which)."""
     try:
         return accepted_by(list(replica_info(redis_client(redis_url(), timeout), live_replicas(timeout)).values()))
     except redis.RedisError:
-        return Accepted()
+        return Accepts()
 
 
 def queue_head(client, queue: str = SETTINGS.queue) -> tuple[dict[Priority, int], dict | None]:
     """How many requests wait at each priority, and the headers of the request a replica takes next (None when
     the queue is empty, {} when it is not a request): the head of the highest priority's list that is not empty
-    (scheduling.py)."""
+    (broker/placement.py)."""
     depths, raw = next_request(client, queue)
     if raw is None:
         return depths, None
@@ -99,7 +85,7 @@ def snapshot() -> dict:
     """Every live replica (serving, or loading its model), what it runs and at which step, the queue and the
     throughput: from Redis alone (the replicas' heartbeats, heartbeat.py), a few milliseconds."""
     client = connection.client(redis_url(), socket_connect_timeout=3)
-    beats = read(client, SETTINGS.replica_stale_s)
+    beats = heartbeat.read(client, SETTINGS.replica_stale_s)
     names = sorted(beats.serving + beats.standby)
     info = replica_info(client, names)
     replicas = []
@@ -121,7 +107,7 @@ def snapshot() -> dict:
     depths, head = queue_head(client)
     pipe = client.pipeline()
     for minutes in THROUGHPUT_WINDOWS_MIN:
-        pipe.zcount(COMPLETED_KEY, now - 60 * minutes, now)
+        pipe.zcount(keys.COMPLETED_KEY, now - 60 * minutes, now)
     done = pipe.execute()
     return {"replicas": replicas, "queue": SETTINGS.queue, "queue_depth": sum(depths.values()),
             "queue_by_priority": {str(p): n for p, n in depths.items()}, "oldest_wait_s": waited_s(head, now),

@@ -24,19 +24,14 @@ from kombu.utils.encoding import bytes_to_str
 
 from ..cluster import replication
 from ..cluster.connection import MasterConnection
+from ..cluster.scripts import lua
+from ..settings import SETTINGS
 
-# KEYS[1]: the result key; ARGV: the encoded result, its lifetime in seconds (0: none), SUCCESS. Returns 0 (and
-# writes nothing) if the key holds a result that succeeded.
-_STORE = ("local current = redis.call('get', KEYS[1]) "
-          "if current then local ok, meta = pcall(cjson.decode, current) "
-          "if ok and type(meta) == 'table' and meta['status'] == ARGV[3] then return 0 end end "
-          "if ARGV[2] ~= '0' then redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[2]) "
-          "else redis.call('set', KEYS[1], ARGV[1]) end "
-          "redis.call('publish', KEYS[1], ARGV[1]) return 1")
+STORE = lua(__package__, "store_result")
 
 
 class RedisBackend(CeleryRedisBackend):
-    _script = None  # _STORE, sent by its hash (EVALSHA) once the server has it
+    _script = None  # STORE, sent by its hash (EVALSHA) once the server has it
 
     def _store_result(self, task_id, result, state, traceback=None, request=None, **kwargs):
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
@@ -47,14 +42,15 @@ class RedisBackend(CeleryRedisBackend):
         expires = self.failure_expires if state == states.FAILURE else self.expires
         args = (self.get_key_for_task(task_id), value, int(expires or 0))
         if state in states.READY_STATES:
-            replication.durable(self.client, lambda: self.ensure(self._store, args), f"request {task_id}'s {state}")
+            replication.durable(self.client, lambda: self.ensure(self._store, args), f"request {task_id}'s {state}",
+                                SETTINGS.durability)
         else:
             self.ensure(self._store, args)
         return result
 
     def _store(self, key, value, expires: int) -> None:
         if self._script is None:
-            self._script = self.client.register_script(_STORE)
+            self._script = self.client.register_script(STORE)
         self._script(keys=[key], args=[value, expires, states.SUCCESS], client=self.client)
 
 

@@ -5,7 +5,7 @@ Anything that can write to Redis can push bytes onto the queue, and Celery's mai
 envelope, headers and body before any task code runs: a body that is a JSON string, a `timelimit` of "abc", an
 envelope that is not JSON or a null delivery tag each crashed it, and a message with no `id` made its consumer
 reconnect forever. So every message is checked here, in full, before Celery sees it; the request's own fields
-are validate.py's, checked by the task.
+are contract/request.py's, checked by the task.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MAX_ID_CHARS = 255  # a task id is a uuid (36); room for the ids other producers
 MAX_MESSAGE_BYTES = SETTINGS.max_image_bytes * 16 // 9 + 1024 * 1024
 
 # The headers Celery 5's protocol 2 sends, those replicadp's producers stamp (the send time, priority, tenant and
-# user: app.py; the fair tags: scheduling.py), and the flag kombu sets on a message it requeues (as it does the
+# user: app.py; the fair tags: placement.py), and the flag kombu sets on a message it requeues (as it does the
 # envelope's and delivery_info's).
 HEADERS = {"lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries", "timelimit",
            "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin", "ignore_result", "replaced_task_nesting",

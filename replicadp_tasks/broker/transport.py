@@ -1,6 +1,6 @@
 """kombu's Redis transport, with three additions on request queues.
 
-Producers: a request is placed by its priority, tenant and user (scheduling.py), not pushed at the end of one list.
+Producers: a request is placed by its priority, tenant and user (placement.py), not pushed at the end of one list.
 
 Replicas: every message popped is checked (message.py) before Celery reads it. A refused message is consumed
 here: recorded as dead with its reason, counted, and failed under its task id when it has one, so that its
@@ -8,7 +8,7 @@ client gets an answer; the replica's main process goes on. The check sits on the
 response callback of the channel's client), the one place that holds the raw bytes of every message the worker
 consumes; a refusal reads as an empty poll to kombu. And a message popped whose delivery record cannot be
 written is kept to be put back (QoS), not lost; one whose acknowledgement Redis refuses still frees its prefetch
-slot (QoS), so that the consumer goes on. In a replica, the record of a delivery names its holder too (lease.py).
+slot (QoS), so that the consumer goes on. In a replica, the record of a delivery names its holder too (replica/leases.py).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import time
 from collections import deque
 
 import redis
-
+from celery import current_app
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
 from ..cluster import connection, replication
-from . import message
 from ..contract import scheduling
 from ..contract.errors import InvalidRequest, MessageRefused
 from ..contract.keys import DEAD_KEY, HOLDERS_KEY, STANDBY_PREFIX, STATS_KEY
 from ..settings import SETTINGS
+from . import message, placement
 
 log = logging.getLogger("replicadp")
 
@@ -44,7 +44,7 @@ RAW_KEEP_CHARS = 500  # of a refused message, in its record: enough to recognise
 # delivered (QoS.append), oldest first, until put_back_orphans puts them back.
 ORPHANS: deque[tuple[dict, str, str]] = deque()
 # In a replica's main process, its name: QoS.append records it as the holder of each message it delivers
-# (lease.py), in the transaction that records the delivery.
+# (replica/leases.py), in the transaction that records the delivery.
 HOLDER: str | None = None
 
 
@@ -57,17 +57,17 @@ def record_dead(client, record: dict) -> None:
 
 
 def refuse(raw: bytes, exc: MessageRefused, queue: str) -> None:
-    """Record, count and answer a refused message (the main process: Celery's result backend is at hand)."""
-    from ..app import app
-
+    """Record, count and answer a refused message, in the replica's main process, through its Celery app's result
+    backend (the app that consumes with this transport: Celery's current one)."""
     log.error("refused a message on queue %r (task id %r): %s", queue, exc.task_id, exc)
     try:
-        client = app.backend.client
+        backend = current_app.backend
+        client = backend.client
         record_dead(client, {"task_id": exc.task_id, "reason": f"refused: {exc}", "queue": queue,
                              "raw": raw[:RAW_KEEP_CHARS].decode("utf-8", "replace")})
         client.hincrby(STATS_KEY, "refused_messages", 1)
         if exc.task_id is not None:
-            app.backend.mark_as_failure(exc.task_id, exc)
+            backend.mark_as_failure(exc.task_id, exc)
     except Exception:  # Redis just went away: the message is gone either way, and this process must go on
         log.exception("cannot record the refused message (task id %r)", exc.task_id)
 
@@ -81,9 +81,9 @@ class QoS(kombu_redis.QoS):
     """kombu's, without losing a message between its BRPOP and its delivery record, nor the consumer after an
     acknowledgement that failed. The BRPOP takes the message off the queue and the record (`unacked`, from which
     kombu and the sweep restore it) is a second write: when Redis dies or fails over between the two, the message
-    is in Redis nowhere, and the failed write dropped it from this process too (seen: a request never run, in
-    about 1 of 10 primary kills under a batch). Here it is kept in ORPHANS, and the replica's lease thread puts
-    it back at the head of its queue once Redis answers."""
+    is in Redis nowhere, and the failed write dropped it from this process too (docs/reliability.md, "Redis
+    failover"). Here it is kept in ORPHANS, and the replica's lease thread puts it back at the head of its queue
+    once Redis answers."""
 
     def append(self, message, delivery_tag):
         try:
@@ -111,8 +111,8 @@ class QoS(kombu_redis.QoS):
         except (redis.ConnectionError, redis.TimeoutError):
             # The record stays in Redis (the sweep requeues the message, whose redelivery returns the stored
             # result), but the message is settled in this process: unsettled, it held the replica's one prefetch
-            # slot, and the consumer polled no more until its connection broke (13 s after a stopped primary
-            # resumed, refusing writes: Sentinel demotes it, closing its clients, 8 s after it reappears).
+            # slot, and the consumer polled no more until its connection broke (a stopped primary that resumed
+            # refusing writes holds it until Sentinel demotes it: docs/reliability.md).
             virtual.QoS.ack(self, delivery_tag)
             raise
 
@@ -125,7 +125,8 @@ def put_back_orphans(channel, client) -> None:
         payload, exchange, routing_key = ORPHANS[0]
         channel._do_restore_message(payload, exchange, routing_key, client)
         what = f"request {payload['headers'].get('id')} put back"
-        if not replication.replicated(client, SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms, what):
+        if not replication.replicated(client, SETTINGS.durability.replicas, SETTINGS.durability.ack_timeout_ms,
+                                        what):
             return
         ORPHANS.popleft()
         log.warning("%s at the head of its queue", what)
@@ -146,7 +147,7 @@ class Channel(kombu_redis.Channel):
                                                 "request's priority field (interactive, normal, batch)",
                                     value=props["priority"])
         priority = scheduling.check_priority(headers.get("replicadp_priority"))
-        tenant = scheduling.check_tenant(headers.get(scheduling.TENANT_HEADER))
+        tenant = scheduling.check_tenant(headers.get(placement.TENANT_HEADER))
         user = scheduling.check_user(headers.get("replicadp_user"))
         if SETTINGS.scheduling == scheduling.Scheduling.FIFO:
             put = super()._put
@@ -157,22 +158,22 @@ class Channel(kombu_redis.Channel):
         # order headers last, in that order: after them come only the properties, so each is the message's last
         # occurrence of its key (the script reads and rewrites them there). kombu restores a requeued request to
         # the list of its properties' priority.
-        lane = {} if tenant is None else {scheduling.TENANT_HEADER: tenant}
-        lane |= {scheduling.USER_ORDER_HEADER: scheduling.USER_ORDER_PLACEHOLDER,
-                 scheduling.ORDER_HEADER: scheduling.ORDER_PLACEHOLDER}
+        lane = {} if tenant is None else {placement.TENANT_HEADER: tenant}
+        lane |= {placement.USER_ORDER_HEADER: placement.USER_ORDER_PLACEHOLDER,
+                 placement.ORDER_HEADER: placement.ORDER_PLACEHOLDER}
         rest = {k: v for k, v in headers.items() if k not in lane}
         placed = {**message, "headers": {**rest, **lane}, "properties": {**props, "priority": priority.level}}
 
         def place():
             with self.conn_or_acquire() as client:
-                scheduling.place(client, self._q_for_pri(queue, priority.level), dumps(placed), tenant, user)
+                placement.place(client, self._q_for_pri(queue, priority.level), dumps(placed), tenant, user)
         self._durably(place, headers.get("id"))
 
     def _durably(self, put, task_id) -> None:
         """A request its producer is told is queued survives a failover: put again until the replicas hold it (a
         second copy, after a slow acknowledgement, is one more delivery of one task id, which the fence runs once)."""
         with self.conn_or_acquire() as client:
-            replication.durable(client, put, f"request {task_id} queued", PUBLISH_GIVE_UP_S)
+            replication.durable(client, put, f"request {task_id} queued", SETTINGS.durability, PUBLISH_GIVE_UP_S)
 
     def _create_client(self, asynchronous=False):
         client = super()._create_client(asynchronous)
@@ -211,7 +212,7 @@ class SentinelTransport(kombu_redis.SentinelTransport):
 
 
 # kombu takes the transport from a URL's scheme again when it moves on to the next URL of a list (`a;b`, which a
-# Sentinel URL is: seen, the first failover switched a producer to kombu's own Sentinel transport), so in
+# Sentinel URL is: at the first failover a producer would move to kombu's own Sentinel transport), so in
 # replicadp's processes the schemes name these transports too, not only Celery's broker_transport.
 TRANSPORT_ALIASES.update(redis=f"{__name__}:Transport", rediss=f"{__name__}:Transport",
                          sentinel=f"{__name__}:SentinelTransport")

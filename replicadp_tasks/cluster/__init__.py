@@ -1,0 +1,11 @@
+"""Redis, and who is alive: clients of the one Redis URL that follow a Sentinel failover (connection.py), writes
+that a failover keeps (replication.py), the fence that lets one delivery compute a request (fence.py), each
+replica's heartbeat (heartbeat.py), and the Lua scripts' loader (scripts.py)."""
+
+from . import connection, heartbeat, replication
+from .connection import client, outage_tolerant, redacted
+from .replication import NotReplicated, durable
+from .scripts import lua
+
+__all__ = ["NotReplicated", "client", "connection", "durable", "heartbeat", "lua", "outage_tolerant",
+           "redacted", "replication"]

@@ -21,6 +21,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis import asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 from redis.asyncio import sentinel as async_sentinel
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 from redis.utils import str_if_bytes
@@ -338,3 +340,12 @@ def async_client(url: str, max_connections: int, **kwargs) -> aioredis.Redis:
     sentinel = async_sentinel.Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
     return sentinel.master_for(target.master, password=target.password, username=target.username, db=target.db,
                                connection_class=AsyncMasterConnection, max_connections=max_connections, **kwargs)
+
+
+def outage_tolerant(url: str, outage_s: int):
+    """A Redis client that rides out a Redis outage of up to about `outage_s` seconds (a restart: ~6 s) by
+    retrying, instead of failing the request it is serving."""
+    # Retries 1 s apart once the backoff has grown (the first few are quicker).
+    return client(url, socket_connect_timeout=5, socket_timeout=30,
+                  retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), outage_s + 5),
+                  retry_on_error=[redis.ConnectionError, redis.TimeoutError])

@@ -12,7 +12,7 @@ every host):
 and records the request its pool child runs in `replicadp:running`. A change of state is in Redis within
 WATCH_S (the thread looks at the consumer that often, without Redis); a replica that dies without a word
 (SIGKILL) stops beating, and readers drop it once its beat is SETTINGS.replica_stale_s old. The lease heartbeat
-(`replicadp:alive:*`, lease.py) says something else: that a main process lives and holds its messages, serving
+(`replicadp:alive:*`, replica/leases.py) says something else: that a main process lives and holds its messages, serving
 or not.
 """
 
@@ -26,30 +26,16 @@ from typing import Callable, NamedTuple, TypedDict
 
 import redis
 
-from . import connection
 from ..contract.keys import RUNNING_KEY, SERVING_KEY, STANDBY_KEY
+from . import connection
+from .scripts import lua
 
 log = logging.getLogger("replicadp")
 
 BEAT_S = 1.0  # beat period: a stale bound of a few seconds survives a few late beats
 WATCH_S = 0.1  # how often the thread looks whether the replica still (or now) consumes: no Redis call
 
-# KEYS: the set to beat in, the other set, the running hash. ARGV: name, the running request's JSON ('' if none),
-# the stale bound. Beats on Redis's clock; drops from both sets (and the hash) who has not beaten within the bound.
-_BEAT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if ARGV[2] == '' then redis.call('HDEL', KEYS[3], ARGV[1]) else redis.call('HSET', KEYS[3], ARGV[1], ARGV[2]) end
-for i = 1, 2 do
-  local dead = redis.call('ZRANGEBYSCORE', KEYS[i], '-inf', now - tonumber(ARGV[3]))
-  if #dead > 0 then
-    redis.call('ZREM', KEYS[i], unpack(dead))
-    redis.call('HDEL', KEYS[3], unpack(dead))
-  end
-end
-"""
+BEAT = lua(__package__, "beat")
 
 
 class Running(TypedDict):
@@ -98,7 +84,7 @@ class Heartbeat:
         self.consuming, self.running = consuming, running
         # Its own connection, short timeouts: a beat that fails is retried at the next one.
         self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
-        self._beat = self.redis.register_script(_BEAT)
+        self._beat = self.redis.register_script(BEAT)
         self._left = threading.Event()
         self._thread: threading.Thread | None = None
 

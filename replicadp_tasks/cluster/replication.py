@@ -7,18 +7,28 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import redis
 from redis.sentinel import SentinelConnectionPool
 
-from . import connection
-from ..contract.errors import NotReplicated
+from ..contract.errors import ReplicaDPError
 from ..contract.keys import REPLICATED_KEY
-from ..settings import SETTINGS
+from . import connection
 
 log = logging.getLogger("replicadp")
 T = TypeVar("T")
+
+
+class NotReplicated(ReplicaDPError, redis.ConnectionError):
+    """Raised when a write that a guarantee rests on (a queued request, a fence, a result, a cancel) was written
+    again and again and no Redis replica acknowledged it (REPLICADP_REDIS_REPLICAS) for as long as its writer waits
+    out an outage: a failover could lose it, so it is not reported done.
+
+    A redis ConnectionError: a producer's request is not accepted (Celery's publish retries it, then the caller
+    gets the error); in a replica it fails the request.
+    """
 
 
 def replicated(r: redis.Redis, replicas: int, timeout_ms: int, what: str) -> bool:
@@ -62,21 +72,33 @@ def _wait(r: redis.Redis, replicas: int, timeout_ms: int) -> tuple[int, tuple[st
         r.connection_pool.release(conn)
 
 
-def durable(r: redis.Redis, write: Callable[[], T], what: str, give_up_s: float | None = None) -> T:
-    """`write()` (which must be safe to repeat), then wait for REPLICADP_REDIS_REPLICAS replicas to hold it;
-    returns what the last `write()` returned. `what`: the write, for the log and the error. Not acknowledged in
-    REPLICADP_REDIS_ACK_TIMEOUT_MS, or acknowledged by a server Sentinel no longer names the master, the write
-    may have gone to a master that Sentinel has since replaced (a stopped one that resumed, and still counts its
-    replicas for up to a second): the connections are dropped, so the next ones ask Sentinel, and the write is
-    made again, until `give_up_s` (REPLICADP_REDIS_OUTAGE when None) have passed: then NotReplicated."""
-    replicas, timeout_ms = SETTINGS.redis_replicas, SETTINGS.redis_ack_timeout_ms
-    give_up_s = SETTINGS.redis_outage_s if give_up_s is None else give_up_s
+@dataclass(frozen=True)
+class Durability:
+    """How writes that a guarantee rests on are kept across a failover: how many Redis replicas must hold each
+    (REPLICADP_REDIS_REPLICAS: 0, nothing to wait for), how long one may take to say so
+    (REPLICADP_REDIS_ACK_TIMEOUT_MS), and how long a writer keeps trying (REPLICADP_REDIS_OUTAGE). settings.py
+    makes it (Settings.durability)."""
+
+    replicas: int
+    ack_timeout_ms: int
+    give_up_s: float
+
+
+def durable(r: redis.Redis, write: Callable[[], T], what: str, policy: Durability,
+            give_up_s: float | None = None) -> T:
+    """`write()` (which must be safe to repeat), then wait for `policy.replicas` replicas to hold it; returns what
+    the last `write()` returned. `what`: the write, for the log and the error. Not acknowledged in
+    `policy.ack_timeout_ms`, or acknowledged by a server Sentinel no longer names the master, the write may have
+    gone to a master that Sentinel has since replaced (a stopped one that resumed, and still counts its replicas for
+    up to a second): the connections are dropped, so the next ones ask Sentinel, and the write is made again, until
+    `give_up_s` (the policy's when None) have passed: then NotReplicated."""
+    give_up_s = policy.give_up_s if give_up_s is None else give_up_s
     deadline = time.monotonic() + give_up_s
     while True:
         answer = write()
-        if replicated(r, replicas, timeout_ms, what):
+        if replicated(r, policy.replicas, policy.ack_timeout_ms, what):
             return answer
         if time.monotonic() > deadline:
             raise NotReplicated(f"{what}: no Redis replica acknowledged it in {give_up_s:g} s of trying "
-                                f"(REPLICADP_REDIS_REPLICAS={replicas})")
+                                f"(REPLICADP_REDIS_REPLICAS={policy.replicas})")
         r.connection_pool.disconnect()

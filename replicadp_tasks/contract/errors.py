@@ -1,7 +1,6 @@
-"""The errors replicadp raises, and what each one fails: the request or the process."""
-
-import redis
-from celery.exceptions import Ignore
+"""The errors replicadp raises, and what each one fails: the request or the process. Two endings of a delivery that
+are no error live with the replica (replica/outcomes.py: Parked, Finishing), and the failure of a write that a
+failover could lose with Redis's clients (cluster/replication.py: NotReplicated)."""
 
 NOTHING = object()  # no value given (None is a value a request can carry)
 
@@ -79,25 +78,6 @@ class RequestCancelled(ReplicaDPError):
     """
 
 
-class Parked(ReplicaDPError, Ignore):
-    """Raised when a delivery finds its request_id being computed by another live delivery (the fence is taken).
-
-    Fails nothing: Celery stores no state for it, and the replica's main process parks its message in Redis
-    (lease.Keeper.park) instead of acknowledging it; the lease sweep puts it back in the queue once that fence is
-    gone, and that delivery then returns the stored result, or computes it if none was stored.
-    """
-
-
-class Finishing(ReplicaDPError, Ignore):
-    """Raised when a request's frames are computed and its pool child's finisher thread encodes, stores and
-    answers it (finisher.py), so that the replica computes its next request meanwhile.
-
-    Fails nothing: Celery stores no state for it; the replica's main process keeps its message unacknowledged in
-    Redis, as its own, and takes the next one (lease.Keeper.finishing). The finisher writes the result (or the
-    failure), then acknowledges the message; if the pool child dies first, the message goes back to the queue.
-    """
-
-
 class OutOfMemory(ReplicaDPError):
     """Raised when a request needs more device (or host) memory than the replica has left.
 
@@ -136,16 +116,6 @@ class GroupLost(ReplicaDPError):
     """Raised when a rank of a multi-process replica (REPLICADP_PARALLEL, parallel.py) died, hung past
     REPLICADP_PARALLEL_TIMEOUT or failed mid-request: the replica's attempt ends (its process exits and the request
     is requeued, as a killed replica's is) and the pool's next child rebuilds the group."""
-
-
-class NotReplicated(ReplicaDPError, redis.ConnectionError):
-    """Raised when a write that a guarantee rests on (a queued request, a fence, a result, a cancel) was written
-    again and again and no Redis replica acknowledged it (REPLICADP_REDIS_REPLICAS) for as long as its writer waits
-    out an outage: a failover could lose it, so it is not reported done.
-
-    A redis ConnectionError: a producer's request is not accepted (Celery's publish retries it, then the caller
-    gets the error); in a replica it fails the request.
-    """
 
 
 class RedisURLError(ReplicaDPError, ValueError):

@@ -16,11 +16,11 @@ REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 REPLICA_KEY = "replicadp:replica:"  # + replica name: JSON ReplicaInfo, what it serves (after its model loaded)
 COMPLETED_KEY = "replicadp:completed"  # sorted set, request_id -> completion time, the last hour (throughput)
 ATTEMPTS_KEY = "replicadp:attempts:"  # + task id: how many times a delivery of it has started
-FENCE_KEY = "replicadp:lock:"  # + request_id: the FenceToken of the delivery computing it (lease.py)
+FENCE_KEY = "replicadp:lock:"  # + request_id: the FenceToken of the delivery computing it (cluster/fence.py)
 STORE_KEY = "replicadp:store:"  # + request_id + ".mp4" / ".json": the video and its Result (REPLICADP_STORE=redis)
 
 # --- written by the replica's main process ----------------------------------------------------------------
-ALIVE_KEY = "replicadp:alive:"  # + replica name: the lease heartbeat (lease.py), expires a lease after its last renewal
+ALIVE_KEY = "replicadp:alive:"  # + replica name: the lease heartbeat (replica/leases.py), expires a lease after its last renewal
 # Who serves (heartbeat.py): sorted sets, replica name -> Redis's time of its last beat (every second), in
 # SERVING_KEY while it consumes the shared queue, in STANDBY_KEY while it does not (its pool child loading)
 SERVING_KEY = "replicadp:serving"
@@ -75,7 +75,7 @@ def fence_key(request_id: str) -> str:
 @dataclass(frozen=True)
 class FenceToken:
     """Who computes a request: one pool child running one delivery. The pool child takes the fence with it and
-    renews it; its main process renews and releases the same fence from its own view of the request (lease.py).
+    renews it; its main process renews and releases the same fence from its own view of the request (replica/leases.py).
     Both build it here: a token that differed by a character would silently stop the main process's renewal."""
 
     replica: str

@@ -1,7 +1,9 @@
-"""Validation of `generate` arguments, before anything reaches the model.
+"""A request: `generate`'s arguments, their defaults, and their validation, before anything reaches the model.
 
 Every error names the field and the value. Nothing is rounded or clamped: diffusers silently floors bad
-sizes and frame counts, which would hand the caller a video other than the one asked for.
+sizes and frame counts, which would hand the caller a video other than the one asked for. What a model accepts
+(its size multiple, experts, first frame, adapters, ...) comes in as an `Accepts`, from the loaded pipeline in a
+replica or from what the live replicas publish in a producer.
 """
 
 from __future__ import annotations
@@ -10,13 +12,33 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Mapping
 
 from .errors import InvalidRequest
 from .keys import REQUEST_ID_RE
 from .scheduling import check_priority, check_tenant, check_user
-from ..model.step_cache import Quality
-from ..webhooks.events import check_webhook
+from .webhook import Webhook, check_webhook
+
+
+class Quality(StrEnum):
+    """A request's choice of path: part of its input's identity."""
+
+    STANDARD = "standard"  # the exact path: every block of the transformer at every step
+    FAST = "fast"  # the deployment's step cache (REPLICADP_CACHE), where it has one
+
+
+# A request's `loras` names adapters a deployment registered (model/adapters.py): the names, how many a request may
+# run with, and their scales, as the registry and requests both check them.
+LORA_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+MAX_LORAS = 4  # per request: each active adapter costs two small matmuls per adapted layer and pass
+MAX_SCALE = 4.0  # |scale|: past a few, a LoRA trained at 1 gives noise, not a style
+
+
+def is_scale(value) -> bool:
+    """An adapter's scale: a number (not a bool) of at most MAX_SCALE either way."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and abs(value) <= MAX_SCALE
 
 # generate's defaults are the reference workload (vllm-omni's replica-DP recipe): 832x480, 33 frames, 30 steps.
 # The bench, the CLI and the FLOP counts take it from here.
@@ -32,12 +54,12 @@ DEFAULTS = {
     "max_sequence_length": 512,
     "image": None,
     "request_id": None,
-    "quality": Quality.STANDARD,  # the exact path; "fast" runs the deployment's step cache (step_cache.py)
+    "quality": Quality.STANDARD,  # the exact path; "fast" runs the deployment's step cache (model/step_cache.py)
     # Two-expert models only (Wan2.2 A14B): the low-noise expert's guidance (None: guidance_scale), and where the
     # experts switch, as a share of the training timesteps (None: the model's own boundary_ratio).
     "guidance_scale_2": None,
     "boundary_ratio": None,
-    # The deployment's registered LoRA adapters this request runs with, and their scales (adapters.py):
+    # The deployment's registered LoRA adapters this request runs with, and their scales (model/adapters.py):
     # [{"name": ..., "scale": ...}, ...]; none by default.
     "loras": None,
 }
@@ -47,7 +69,7 @@ TWO_EXPERT_FIELDS = ("guidance_scale_2", "boundary_ratio")
 OPTIONAL_FIELDS = (*TWO_EXPERT_FIELDS, "loras")
 # Where the request waits, not what it makes (scheduling.py): checked here, never part of its identity.
 SCHEDULING_FIELDS = ("priority", "tenant", "user")
-# How the request is told of its events (webhooks.py), not what it makes: checked here, never part of its identity.
+# How the request is told of its events (webhook.py), not what it makes: checked here, never part of its identity.
 WEBHOOK_FIELDS = ("webhook", "webhook_events")
 FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS, *WEBHOOK_FIELDS)
 REFERENCE_SIZE = f"{DEFAULTS['width']}x{DEFAULTS['height']}"
@@ -82,18 +104,56 @@ class GenerateRequest:
     guidance_scale_2: float | None = None
     boundary_ratio: float | None = None
     loras: tuple[tuple[str, float | None], ...] = ()  # (name, scale) by name; a scale of None: the adapter's own
+    # Where its events go: how it is told, not what it makes (no part of its identity, nor of equality).
+    webhook: Webhook | None = field(default=None, compare=False)
 
     def params(self, image_sha256: str | None = None) -> dict:
         """The effective inputs as reported back: the image by its hash, not its (possibly huge) bytes; the
         two-expert fields only where set."""
         p = asdict(self)
-        del p["request_id"], p["image"]
+        del p["request_id"], p["image"], p["webhook"]
         p["loras"] = [{"name": name, "scale": scale} for name, scale in self.loras] or None
-        for field in OPTIONAL_FIELDS:
-            if p[field] is None:
-                del p[field]
+        for name in OPTIONAL_FIELDS:
+            if p[name] is None:
+                del p[name]
         p["image_sha256"] = image_sha256
         return p
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """How a model cuts a video into transformer tokens: its VAE's strides (frames, pixels) and its patch."""
+
+    vae_temporal: int
+    vae_spatial: int
+    patch: tuple[int, int, int]  # (frames, height, width) of latents per token
+
+    def count(self, height: int, width: int, num_frames: int) -> int:
+        """The video tokens of one transformer pass on this shape: latent frames x latent patches."""
+        pt, ph, pw = self.patch
+        latent_frames = (num_frames - 1) // self.vae_temporal + 1
+        return (latent_frames // pt) * (height // self.vae_spatial // ph) * (width // self.vae_spatial // pw)
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """What a model accepts, as validate_request checks a request against it: a loaded pipeline's rules
+    (PipelineHolder.accepts), or what the live replicas publish (ReplicaInfo). Left at their defaults, the checks
+    that need the model are left to the replica, which checks again."""
+
+    size_multiple: int = 16  # height and width are multiples of it: the VAE's downsampling times the patch size
+    qualities: tuple[str, ...] | None = None  # the paths it serves (None: unknown)
+    experts: int | None = None  # its transformers: 1 refuses guidance_scale_2 and boundary_ratio (None: unknown)
+    takes_image: bool | None = None  # whether a first frame may be given (None: unknown)
+    requires_image: bool = False  # an image-to-video model: a request without a first frame is refused
+    defaults: Mapping[str, object] = field(default_factory=dict)  # the model's own over DEFAULTS (its guidance)
+    loras: Mapping[str, float] | None = None  # its registered adapters, name -> default scale (None: unknown)
+    # A replica over several sequence ranks (REPLICADP_PARALLEL, its `parallel`) splits every request's video
+    # tokens evenly over them: a shape whose token count they do not divide is refused.
+    sequence_ranks: int = 1
+    parallel: str = "none"
+    tokens: Tokens | None = None
+
 
 
 def input_key(params: dict, model: str, served: dict | None = None) -> str:
@@ -159,8 +219,6 @@ def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tupl
     (`registered`: name -> default scale; None: unknown here, the replica checks), each once, |scale| at most
     MAX_SCALE (left out: the adapter's default). Returns (name, scale) pairs sorted by name: the order they are
     applied in and part of the identity. InvalidRequest naming `loras` otherwise."""
-    from ..model.adapters import MAX_LORAS, MAX_SCALE, NAME_RE, is_scale
-
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > MAX_LORAS:
@@ -170,7 +228,7 @@ def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tupl
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or set(entry) - {"name", "scale"}:
             _fail("loras", value, 'each entry must be an object {"name": ..., "scale": ...} (scale optional)')
         name, scale = entry["name"], entry.get("scale")
-        if not NAME_RE.fullmatch(name) or (registered is not None and name not in registered):
+        if not LORA_NAME_RE.fullmatch(name) or (registered is not None and name not in registered):
             known = "none" if not registered else ", ".join(sorted(registered))
             _fail("loras", name, f"no such adapter here; registered: {known}" if registered is not None else
                   "is not an adapter's name (1-64 of a-z, 0-9, '_', '.', '-')")
@@ -184,21 +242,12 @@ def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tupl
     return tuple(sorted(pairs.items()))
 
 
-def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars: int = 4000,
-                     max_work: int | None = None, webhook_policy: bool = True,
-                     qualities: list[str] | None = None, experts: int | None = None,
-                     requires_image: bool = False, defaults: dict | None = None,
-                     loras: dict[str, float] | None = None) -> GenerateRequest:
-    """Check `generate`'s keyword arguments and return them with defaults filled in.
-
-    `size_multiple` is what the loaded model needs (16 for Wan2.1, 32 for Wan2.2-TI2V-5B); `max_work` is the
-    deployment's budget for height x width x num_frames x num_inference_steps; `webhook_policy=False` checks a
-    webhook's form only, not what this deployment allows (for a producer without its settings: the replica checks);
-    `qualities`: the paths the replica serves (None: any, the replica checks); `experts`: the transformers of the
-    model (1 refuses guidance_scale_2 and boundary_ratio; None: unknown, the replica checks); `requires_image`: an
-    image-to-video model, which refuses a request without `image`; `defaults`: the model's own over DEFAULTS for
-    what the request leaves out (PipelineHolder.request_defaults); `loras`: the registered adapters, name -> default
-    scale (None: unknown, the replica checks). Raises InvalidRequest naming the first bad field.
+def validate_request(kwargs: dict, accepts: Accepts = Accepts(), *, max_prompt_chars: int = 4000,
+                     max_work: int | None = None) -> GenerateRequest:
+    """Check `generate`'s keyword arguments against what the model `accepts` and return them with defaults filled
+    in (the model's own first, then DEFAULTS), the webhook's form checked (what a deployment allows a webhook is
+    webhooks.check_allowed's). `max_prompt_chars` and `max_work` (height x width x num_frames x
+    num_inference_steps) are the deployment's limits. Raises InvalidRequest naming the first bad field.
     """
     unknown = sorted(set(kwargs) - set(FIELDS))
     if unknown:
@@ -208,32 +257,34 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
     check_priority(kwargs.get("priority"))
     check_tenant(kwargs.get("tenant"))
     check_user(kwargs.get("user"))
-    v = {**DEFAULTS, **(defaults or {}), **{k: x for k, x in kwargs.items()
-                        if x is not None and k not in SCHEDULING_FIELDS + WEBHOOK_FIELDS}}
+    v = {**DEFAULTS, **accepts.defaults, **{k: x for k, x in kwargs.items()
+                                           if x is not None and k not in SCHEDULING_FIELDS + WEBHOOK_FIELDS}}
 
     for side in ("height", "width"):
-        _int(side, v[side], size_multiple, MAX_SIDE)
-        if v[side] % size_multiple:
-            _fail(side, v[side], f"must be a multiple of {size_multiple} for this model")
+        _int(side, v[side], accepts.size_multiple, MAX_SIDE)
+        if v[side] % accepts.size_multiple:
+            _fail(side, v[side], f"must be a multiple of {accepts.size_multiple} for this model")
     _int("num_frames", v["num_frames"], 1, MAX_FRAMES)
     if (v["num_frames"] - 1) % 4:
         _fail("num_frames", v["num_frames"], "must be of the form 4k+1 (1, 5, 9, ..., 33, ...)")
     if v["quality"] not in list(Quality):
         _fail("quality", v["quality"], f"must be one of {', '.join(Quality)}")
-    if qualities is not None and v["quality"] not in qualities:
-        _fail("quality", v["quality"], f"not served here: these replicas serve {', '.join(qualities)} only (their "
-                                       "deployment has no step cache: REPLICADP_CACHE=none)")
+    if accepts.qualities is not None and v["quality"] not in accepts.qualities:
+        _fail("quality", v["quality"], f"not served here: these replicas serve {', '.join(accepts.qualities)} only "
+                                       "(their deployment has no step cache: REPLICADP_CACHE=none)")
     request_id = v["request_id"]
     if request_id is not None and (not isinstance(request_id, str) or not REQUEST_ID_RE.fullmatch(request_id)):
         _fail("request_id", request_id, "must be 1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit")
-    for field in TWO_EXPERT_FIELDS:
-        if v[field] is not None and experts == 1:
-            _fail(field, v[field], "this model has one expert: only two-expert models (Wan2.2 A14B) take it")
+    for name in TWO_EXPERT_FIELDS:
+        if v[name] is not None and accepts.experts == 1:
+            _fail(name, v[name], "this model has one expert: only two-expert models (Wan2.2 A14B) take it")
     image = v["image"]
     if image is not None and (not isinstance(image, str) or not image):
         _fail("image", image, "must be a non-empty string (a path, an http(s) URL or base64)")
-    if image is None and requires_image:
+    if image is None and accepts.requires_image:
         raise InvalidRequest.of("image", "this model is image-to-video and needs a first frame")
+    if image is not None and accepts.takes_image is False:
+        _fail("image", image[:40], "this model is text-to-video only and takes no first frame")
 
     req = GenerateRequest(
         prompt=_text("prompt", v["prompt"], max_prompt_chars, required=True),
@@ -253,13 +304,26 @@ def validate_request(kwargs: dict, *, size_multiple: int = 16, max_prompt_chars:
             "guidance_scale_2", v["guidance_scale_2"], 0.0, MAX_GUIDANCE),
         boundary_ratio=None if v["boundary_ratio"] is None else _float(
             "boundary_ratio", v["boundary_ratio"], 0.0, 1.0),
-        loras=check_loras(v["loras"], loras),
+        loras=check_loras(v["loras"], accepts.loras),
+        webhook=check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), kwargs.get("tenant")),
     )
     work = req.height * req.width * req.num_frames * req.num_inference_steps
     if max_work is not None and work > max_work:
         _fail("height x width x num_frames x num_inference_steps",
               f"{req.height}x{req.width}x{req.num_frames}x{req.num_inference_steps}",
               f"= {work} is over this deployment's budget REPLICADP_MAX_WORK={max_work}")
-    # Last: its address check looks the host up.
-    check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), policy=webhook_policy)
+    refused = accepts.tokens and split_refusal(accepts.tokens.count(req.height, req.width, req.num_frames),
+                                               accepts.sequence_ranks)
+    if refused:
+        _fail("height x width x num_frames", f"{req.height}x{req.width}x{req.num_frames}",
+              f"{refused} (REPLICADP_PARALLEL={accepts.parallel}); choose a size or frame count whose token count "
+              "they divide")
     return req
+
+
+def split_refusal(tokens: int, sequence_ranks: int) -> str | None:
+    """Why a replica whose layout splits each pass's video tokens over `sequence_ranks` ranks cannot run a shape of
+    `tokens` tokens (they must split evenly), or None."""
+    if tokens % sequence_ranks:
+        return f"its {tokens} video tokens do not split over the replica's {sequence_ranks} sequence ranks"
+    return None

@@ -20,23 +20,15 @@ Imports no Celery; torch, diffusers and peft are imported inside the functions.
 from __future__ import annotations
 
 import hashlib
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..contract.errors import ModelLoadError
+from ..contract.request import LORA_NAME_RE, MAX_SCALE, is_scale
 
-NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 HUB_PREFIX = "hf://"
-MAX_LORAS = 4  # per request: each active adapter costs two small matmuls per adapted layer and pass
-MAX_SCALE = 4.0  # |scale|: past a few, a LoRA trained at 1 gives noise, not a style
 EXPERTS = ("transformer", "transformer_2")
-
-
-def is_scale(value) -> bool:
-    """An adapter's scale: a number (not a bool) of at most MAX_SCALE either way; for the registry and requests."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and abs(value) <= MAX_SCALE
 
 
 @dataclass(frozen=True)
@@ -79,7 +71,7 @@ def read_registry(path: str | None) -> list[Registration]:
     out = []
     for name, table in tables.items():
         at = f"{where}: adapter {name!r}"
-        if not NAME_RE.fullmatch(name):
+        if not LORA_NAME_RE.fullmatch(name):
             raise ModelLoadError(f"{at}: a name is 1-64 of a-z, 0-9, '_', '.', '-', starting with a letter or digit")
         if not isinstance(table, dict) or set(table) - {"source", "scale", "experts"}:
             raise ModelLoadError(f"{at}: expected the keys source, scale, experts; got {sorted(table)}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 
-from ..contract.request import DEFAULTS
+from ..contract.request import DEFAULTS, Tokens
 
 TEXT_LEN = 512  # tokens the pipelines pad every prompt to (max_sequence_length)
 # The chip whose model FLOP utilisation reports give by default: an estimate of an H200's sustained bf16 matrix
@@ -307,11 +307,14 @@ def dit_flops(config, tokens: int, text_len: int = TEXT_LEN, timestep_tokens: in
     return 2 * (config["num_layers"] * block + embed)
 
 
+def tokens_of(config, *, vae_spatial: int, vae_temporal: int) -> Tokens:
+    """How a transformer of this config, behind a VAE of these strides, cuts a video into tokens."""
+    return Tokens(vae_temporal=vae_temporal, vae_spatial=vae_spatial, patch=tuple(config["patch_size"]))
+
+
 def video_tokens(config, *, height: int, width: int, num_frames: int, vae_spatial: int, vae_temporal: int) -> int:
     """The video tokens a transformer pass of this shape runs on: latent frames x latent patches."""
-    pt, ph, pw = config["patch_size"]
-    latent_frames = (num_frames - 1) // vae_temporal + 1
-    return (latent_frames // pt) * (height // vae_spatial // ph) * (width // vae_spatial // pw)
+    return tokens_of(config, vae_spatial=vae_spatial, vae_temporal=vae_temporal).count(height, width, num_frames)
 
 
 def request_flops(config, *, height: int, width: int, num_frames: int, steps: int, guidance: bool,

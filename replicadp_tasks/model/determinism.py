@@ -3,8 +3,8 @@ machine and software (REPLICADP_DETERMINISTIC, on by default).
 
 CPU: Intel MKL, torch's BLAS on x86, chooses kernels by its operands' memory alignment and by the code path it
 dispatches to at run time, so two processes can differ in the last bits of a matrix product, and 30 denoising
-steps carry that into the frames (measured on an AMD EPYC: 1 to 3 of 12 inputs gave other frames in another
-replica process; with conditional numerical reproducibility, `MKL_CBWR=AUTO,STRICT`, 0 of 12). oneDNN (the
+steps carry that into the frames, unless MKL's conditional numerical reproducibility is on (`MKL_CBWR=AUTO,STRICT`;
+docs/isolation.md has the measurements). oneDNN (the
 VAE's convolutions) and torch's own vectorised kernels depend on the instruction set and the thread count, both
 fixed for a replica (REPLICADP_THREADS); `torch.use_deterministic_algorithms` covers the few ops whose default
 kernel is not deterministic.

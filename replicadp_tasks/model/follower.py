@@ -1,7 +1,7 @@
 """A follower rank of a multi-process replica (parallel.py): `python -m replicadp_tasks.model.follower`, started by the
-replica's pool child (rank 0) with this rank's place in the environment.
+replica's pool child (rank 0) with this rank's place and rank 0's model options in the environment.
 
-It loads the same pipeline as rank 0 (the same settings: the same environment), joins the group, then runs every
+It loads the same pipeline as rank 0 (rank 0's options, not settings of its own), joins the group, then runs every
 request rank 0 hands it on stdin, one JSON line each, up to the latents: rank 0 decodes, encodes and stores. It
 exits when its stdin closes (rank 0 ended it), when rank 0 dies (PDEATHSIG), and on any error (rank 0 sees it
 exit and ends the replica's attempt: parallel.GroupLost), after reporting an out of memory to rank 0, which fails
@@ -28,14 +28,15 @@ def main() -> int:
         return 1
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/follower] %(message)s")
     rank = int(os.environ[parallel.RANK_ENV])
-    # 2. The same pipeline as rank 0, in the group.
+    # 2. The same pipeline as rank 0 (its options), in the group.
     from ..contract.errors import OutOfMemory
+    from .options import ModelOptions
     from .pipeline import PipelineHolder
-    from ..settings import SETTINGS
 
-    holder = PipelineHolder.from_settings(SETTINGS, rank=rank, store_path=os.environ[parallel.STORE_ENV])
+    options = ModelOptions.from_json(os.environ[parallel.OPTIONS_ENV])
+    holder = PipelineHolder(options, rank=rank, store_path=os.environ[parallel.STORE_ENV])
     holder.load()
-    logging.getLogger("replicadp").info("rank %d of %s loaded %r", rank, SETTINGS.parallel, SETTINGS.model)
+    logging.getLogger("replicadp").info("rank %d of %s loaded %r", rank, options.layout, options.spec)
     # 3. Each request rank 0 hands over, until it closes stdin. Out of memory here breaks the group as any error
     #    does, but fails the request instead of requeueing it (it would fail again): said to rank 0 before exiting.
     for line in sys.stdin:

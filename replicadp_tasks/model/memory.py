@@ -64,29 +64,68 @@ def block_bytes(module) -> tuple[int, int]:
     return weight_bytes(module) - inside, max((weight_bytes(b) for b in blocks), default=0)
 
 
-def needs(models: dict, offload: Offload, devices: list[str], placement: dict[str, int], streamed: bool) -> list[Need]:
-    """The weights `offload` keeps on each of `devices` at most. `placement` (pipeline.placement) says where each
-    model lives when all are resident; `streamed`: group offload prefetches the next block while one runs."""
+@dataclass(frozen=True)
+class Devices:
+    """A replica's devices as the memory check sees them: their names, the memory each has for the weights (None:
+    unknown, not checked), where that figure comes from (for the error), and whether group offload streams blocks
+    ahead on them (CUDA: the next block is prefetched while one runs)."""
+
+    names: list[str]
+    have: list[int | None]
+    limit: str = "not checked"
+    streamed: bool = False
+
+
+def placement(components, gpus: int) -> dict[str, int]:
+    """Which of `gpus` devices (by index) holds each of `components` (names) while all are resident: on one, all
+    on it; across several, the transformer and `transformer_2` (both experts) on the second, the text encoder on
+    the first, the VAE on the third if there is one, else on the first. place() and describe-model use it."""
+    if gpus == 1:
+        return {name: 0 for name in components}
+    where = {"text_encoder": 0, "transformer": 1, "transformer_2": 1, "vae": 2 if gpus > 2 else 0}
+    return {name: where[name] for name in components}
+
+
+def place(pipe, devices: list[str]) -> None:
+    """Put the pipeline's models on `devices` (see placement); across several GPUs (GPUS_PER_REPLICA),
+    accelerate's hooks move each model's inputs to its device and its outputs back, so the pipeline's own code
+    runs unchanged (its tensors live on the first hooked model's device)."""
+    if len(devices) == 1:
+        pipe.to(devices[0])
+        return
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    models = [name for name in ("text_encoder", "transformer", "transformer_2", "vae")
+              if getattr(pipe, name, None) is not None]
+    for name, index in placement(models, len(devices)).items():
+        module = getattr(pipe, name).to(devices[index])
+        add_hook_to_module(module, AlignDevicesHook(execution_device=devices[index], io_same_device=True))
+
+
+def needs(models: dict, offload: Offload, devices: Devices) -> list[Need]:
+    """The weights `offload` keeps on each of `devices` at most."""
     sizes = {name: weight_bytes(m) for name, m in models.items()}
     if offload == Offload.NONE:
-        return [Need(d, {n: b for n, b in sizes.items() if placement[n] == i}) for i, d in enumerate(devices)]
+        where = placement(list(models), len(devices.names))
+        return [Need(d, {n: b for n, b in sizes.items() if where[n] == i}) for i, d in enumerate(devices.names)]
+    first = devices.names[0]
     if offload == Offload.EXPERT:
         # The larger expert counts (they are the same size in every Wan2.2 A14B): `transformer` is resident first.
         idle = "transformer_2" if sizes["transformer_2"] <= sizes["transformer"] else "transformer"
-        return [Need(devices[0], {n: b for n, b in sizes.items() if n != idle})]
+        return [Need(first, {n: b for n, b in sizes.items() if n != idle})]
     if offload == Offload.MODEL:
         largest = max(sizes, key=sizes.get)  # one model on the GPU at a time
-        return [Need(devices[0], {largest: sizes[largest]})]
+        return [Need(first, {largest: sizes[largest]})]
     per_model = {}
     for name, m in models.items():
         outside, block = block_bytes(m)
-        per_model[name] = outside + block * (2 if streamed and outside else 1)
+        per_model[name] = outside + block * (2 if devices.streamed and outside else 1)
     largest = max(per_model, key=per_model.get)
-    return [Need(devices[0], {largest: per_model[largest]})]
+    return [Need(first, {largest: per_model[largest]})]
 
 
 def usable(offload: Offload, models: dict, devices: list[str]) -> str | None:
-    """Why `offload` cannot serve these models on these devices, or None."""
+    """Why `offload` cannot serve these models on these devices (names), or None."""
     if offload == Offload.EXPERT and "transformer_2" not in models:
         return ("the model has one transformer; the option keeps the idle one of two experts (Wan2.2 A14B) in CPU "
                 f"memory. Choices: {', '.join(Offload)}")
@@ -96,35 +135,33 @@ def usable(offload: Offload, models: dict, devices: list[str]) -> str | None:
     return None
 
 
-def shortfall(models: dict, offload: Offload, devices: list[str], have: list[int | None], placement: dict[str, int],
-              streamed: bool) -> tuple[Need, int] | None:
-    """The first device where `offload` needs more than `have` gives it (None: unknown, not checked), with what it
-    has; None where the option fits."""
-    for need, held in zip(needs(models, offload, devices, placement, streamed), have):
+def shortfall(models: dict, offload: Offload, devices: Devices) -> tuple[Need, int] | None:
+    """The first device where `offload` needs more than it has (unknown: not checked), with what it has; None where
+    the option fits."""
+    for need, held in zip(needs(models, offload, devices), devices.have):
         if held is not None and need.total > held:
             return need, held
     return None
 
 
-def check(models: dict, offload: Offload, devices: list[str], have: list[int | None], placement: dict[str, int],
-          streamed: bool, limit: str) -> None:
-    """Raise ModelLoadError, naming the setting, the need and what the device has, if `offload` does not fit:
-    `have` is each device's memory (None: unknown, not checked); `limit` says where it came from. The error lists
-    the options that would fit. Weights only: a request's activations come on top (its peak_memory_gib)."""
-    why = usable(offload, models, devices)
+def check(models: dict, offload: Offload, devices: Devices) -> None:
+    """Raise ModelLoadError, naming the setting, the need and what the device has, if `offload` does not fit on
+    `devices`. The error lists the options that would fit. Weights only: a request's activations come on top (its
+    peak_memory_gib)."""
+    why = usable(offload, models, devices.names)
     if why is not None:
         raise ModelLoadError(f"REPLICADP_OFFLOAD={offload}: {why}")
-    short = shortfall(models, offload, devices, have, placement, streamed)
+    short = shortfall(models, offload, devices)
     if short is None:
         return
     need, held = short
     parts = " + ".join(f"{name} {size(b)}" for name, b in need.parts.items())
-    fitting = [f"REPLICADP_OFFLOAD={o} needs {size(max(n.total for n in needs(models, o, devices, placement, streamed)))}"
-               for o in Offload if o != offload and usable(o, models, devices) is None
-               and shortfall(models, o, devices, have, placement, streamed) is None]
+    fitting = [f"REPLICADP_OFFLOAD={o} needs {size(max(n.total for n in needs(models, o, devices)))}"
+               for o in Offload if o != offload and usable(o, models, devices.names) is None
+               and shortfall(models, o, devices) is None]
     hint = f"; {', '.join(fitting)}" if fitting else "; no memory option fits: use a larger GPU"
     raise ModelLoadError(f"REPLICADP_OFFLOAD={offload}: the weights need {size(need.total)} on {need.device} ({parts}), "
-                         f"and {need.device} has {size(held)} ({limit}){hint}")
+                         f"and {need.device} has {size(held)} ({devices.limit}){hint}")
 
 
 def size(n: int) -> str:

@@ -32,99 +32,27 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, TypedDict
 
 from ..contract.errors import GroupLost
+from ..contract.request import GenerateRequest, Quality
+from .layout import Layout
 
 log = logging.getLogger("replicadp")
 
-KINDS = ("ulysses", "ring", "cfg")
-# Ring merges its blocks by the attention's log-sum-exp: the backends that return it (diffusers' names). On the
-# CPU, "native" is made to (enable): torch's CPU flash kernel returns it.
-RING_BACKENDS_CUDA = ("flash", "flash_hub", "_flash_3_hub", "_native_cudnn", "_native_flash", "sage")
-# The environment a follower reads its place from (follower.py), and the pipe it reports on before it exits.
+# The environment a follower reads its place and rank 0's model options from (follower.py), and the pipe it reports
+# on before it exits.
 RANK_ENV, WORLD_ENV, STORE_ENV, PARENT_ENV = ("REPLICADP_RANK", "REPLICADP_WORLD_SIZE", "REPLICADP_PARALLEL_STORE",
                                                "REPLICADP_PARALLEL_PARENT")
+OPTIONS_ENV = "REPLICADP_PARALLEL_OPTIONS"
 REPORT_FD_ENV = "REPLICADP_PARALLEL_REPORT_FD"
 
 
 class Stopped(Exception):
     """Raised on a follower when rank 0 stopped the request at a step boundary (a cancel): back to waiting."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a replica's ranks split each denoising step: the video tokens over ulysses x ring ranks, and the
-    conditional and unconditional passes over cfg (1 or 2) groups of those."""
-
-    ulysses: int = 1
-    ring: int = 1
-    cfg: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.ulysses * self.ring * self.cfg
-
-    @property
-    def sequence(self) -> int:
-        """The ranks one pass's video tokens are split over."""
-        return self.ulysses * self.ring
-
-    def __str__(self) -> str:
-        parts = [f"{kind}:{degree}" for kind, degree in asdict(self).items() if degree > 1]
-        return ",".join(parts) or "none"
-
-    @classmethod
-    def parse(cls, text: str) -> "Layout":
-        """`none`, or comma-separated KIND:DEGREE (ulysses:2, ulysses:2,ring:2); ValueError saying what is wrong."""
-        text = text.strip().lower()
-        if text in ("", "none"):
-            return cls()
-        degrees: dict[str, int] = {}
-        for part in text.split(","):
-            kind, _, degree = part.strip().partition(":")
-            if kind not in KINDS:
-                raise ValueError(f"{part.strip()!r}: expected KIND:DEGREE with KIND one of {', '.join(KINDS)}")
-            if kind in degrees:
-                raise ValueError(f"{kind} is given twice")
-            if not (degree.isascii() and degree.isdigit() and int(degree) >= 1):
-                raise ValueError(f"{part.strip()!r}: the degree must be a whole number of at least 1")
-            degrees[kind] = int(degree)
-        return cls(**degrees)
-
-
-def check(layout: Layout, *, devices: list[str], device: str, attention: str, options: dict[str, str]) -> None:
-    """Refuse, naming REPLICADP_PARALLEL, a layout this replica cannot run: a CFG degree other than 2, GPUs other
-    than one per rank, ring on an attention backend without the log-sum-exp, or a deployment option that has not
-    run on a split transformer (`options`: setting -> value, the ones set away from their default). Before
-    anything is loaded."""
-    from ..contract.errors import ModelLoadError
-
-    name = f"REPLICADP_PARALLEL={layout}"
-    if layout.cfg > 2:
-        raise ModelLoadError(f"{name}: a step has two passes (conditional, unconditional), so cfg is 1 or 2")
-    if device == "cuda" and len(devices) != layout.size:
-        raise ModelLoadError(f"{name} runs {layout.size} ranks, one per GPU, and this replica sees {len(devices)} "
-                             f"GPU(s); set GPUS_PER_REPLICA={layout.size}")
-    ring_backends = RING_BACKENDS_CUDA if device == "cuda" else ("native",)
-    if layout.ring > 1 and attention not in ring_backends:
-        raise ModelLoadError(f"{name} with REPLICADP_ATTENTION={attention!r}: ring attention needs a backend that "
-                             f"returns the log-sum-exp; on {device}: {', '.join(ring_backends)}")
-    for setting, value in options.items():
-        raise ModelLoadError(f"{name} cannot be combined with {setting}={value}: not supported yet; choose one")
-
-
-def check_heads(layout: Layout, heads: int) -> None:
-    """Refuse, naming REPLICADP_PARALLEL, a Ulysses degree that does not divide the model's attention heads."""
-    from ..contract.errors import ModelLoadError
-
-    if heads % layout.ulysses:
-        raise ModelLoadError(f"REPLICADP_PARALLEL={layout}: the model's {heads} attention heads do not split over "
-                             f"{layout.ulysses} ranks (Ulysses gives each rank heads / degree); choose a degree that "
-                             f"divides {heads}")
 
 
 STORE_PREFIX = "replicadp-group-"
@@ -136,7 +64,7 @@ def new_store() -> str:
     removes it, and here the files of rank 0s that are gone (killed before they could) are removed first."""
     for old in Path(tempfile.gettempdir()).glob(f"{STORE_PREFIX}*-*"):
         pid = old.name[len(STORE_PREFIX):].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             old.unlink(missing_ok=True)
     fd, path = tempfile.mkstemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
     os.close(fd)
@@ -144,7 +72,9 @@ def new_store() -> str:
     return path
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's too). For a child of the caller, whose pid is not reused
+    before it is reaped, that is whether it runs."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -295,7 +225,7 @@ class Report(TypedDict):
 class Work(TypedDict):
     """What rank 0 hands each follower for one request: the validated inputs, and the first frame as PNG."""
 
-    request: dict  # validate.GenerateRequest's fields
+    request: dict  # contract.request.GenerateRequest's fields (its webhook left out: rank 0 tells its events)
     image_png: str | None  # base64
 
 
@@ -305,15 +235,12 @@ def encode_work(req, image) -> str:
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         png = base64.b64encode(buf.getvalue()).decode()
-    return json.dumps(Work(request=asdict(req), image_png=png)) + "\n"
+    return json.dumps(Work(request=asdict(replace(req, webhook=None)), image_png=png)) + "\n"
 
 
 def decode_work(line: str):
     """(GenerateRequest, PIL image or None) from a Work line."""
     from PIL import Image
-
-    from .step_cache import Quality
-    from ..contract.request import GenerateRequest
 
     work: Work = json.loads(line)
     fields = work["request"]
@@ -325,19 +252,22 @@ def decode_work(line: str):
 
 class Followers:
     """Rank 0's followers: ranks 1..K-1 as `python -m replicadp_tasks.model.follower` processes, with this process's
-    environment (so the same settings), their place in the group and a pipe each to report on. A watcher thread
+    environment, rank 0's model options (`options`, model/options.ModelOptions), their place in the group and a
+    pipe each to report on. A watcher thread
     notes a follower's exit (`lost`, and `oom` where it reported running out of memory) and calls `on_lost` once
     for any other exit: a request in flight cannot finish, and none may start on the broken group. An out of
     memory is left to the request that met it (PipelineHolder.generate fails it)."""
 
-    def __init__(self, layout: Layout, store_path: str, on_lost: Callable[[str], None] | None):
+    def __init__(self, options, store_path: str, on_lost: Callable[[str], None] | None):
+        layout = options.layout
         self.store_path = store_path
         self.lost: str | None = None
         self.oom: str | None = None
         self.closing = False
         self.procs = []
         self.reports = []
-        env = {**os.environ, WORLD_ENV: str(layout.size), STORE_ENV: store_path, PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, WORLD_ENV: str(layout.size), STORE_ENV: store_path, PARENT_ENV: str(os.getpid()),
+               OPTIONS_ENV: options.to_json()}
         for rank in range(1, layout.size):
             read, write = os.pipe()
             self.procs.append(subprocess.Popen([sys.executable, "-m", "replicadp_tasks.model.follower"],

@@ -18,13 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from ..contract.errors import ModelLoadError
-
-
-class Quality(StrEnum):
-    """A request's choice of path: part of its input's identity."""
-
-    STANDARD = "standard"  # the exact path: every block of the transformer at every step
-    FAST = "fast"  # the deployment's step cache (REPLICADP_CACHE), where it has one
+from ..contract.request import Quality
 
 
 class CacheMethod(StrEnum):
@@ -73,12 +67,6 @@ class StepCache:
         ratios = read_mag_ratios(mag_ratios_path, model) if method == CacheMethod.MAG else None
         return cls(method, threshold if threshold is not None else THRESHOLDS.get(method),
                    interval if interval is not None else INTERVALS.get(method), ratios)
-
-    @classmethod
-    def from_settings(cls, settings) -> "StepCache":
-        """The step cache that `settings` (settings.Settings) choose for the served model."""
-        return cls.of(settings.cache, settings.cache_threshold, settings.cache_interval, settings.mag_ratios,
-                      settings.model)
 
     @property
     def qualities(self) -> list[str]:

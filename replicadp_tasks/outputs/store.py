@@ -378,24 +378,12 @@ class S3Store:
         return len(old["json"]) + len(old["mp4"])
 
 
-def outage_tolerant(url: str, outage_s: int):
-    """A Redis client that rides out a Redis outage of up to about `outage_s` seconds (a restart: ~6 s) by
-    retrying, instead of failing the request it is serving."""
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
-    # Retries 1 s apart once the backoff has grown (the first few are quicker).
-    return connection.client(url, socket_connect_timeout=5, socket_timeout=30,
-                                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), outage_s + 5),
-                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
-
-
 def open_store(settings: Settings):
     """The store a replica writes to, by REPLICADP_STORE. An S3 bucket it cannot reach fails here, at start."""
     if settings.store == "dir":
         return DirStore(settings.output_dir)
     if settings.store == "redis":
-        return RedisStore(outage_tolerant(settings.redis_url, settings.redis_outage_s), settings.store_ttl_s)
+        return RedisStore(connection.outage_tolerant(settings.redis_url, settings.redis_outage_s), settings.store_ttl_s)
     if settings.store == "s3":
         if not settings.s3_prefix.endswith("/"):  # its sweep would remove other objects of the bucket
             raise StoreError(f"REPLICADP_S3_PREFIX={settings.s3_prefix!r}: must be a folder of replicadp's own, "

@@ -10,9 +10,8 @@ depend on what the heap held before: in a replica, where torch's large frees hav
 threshold, a previous request's data. One encoder thread and `+bitexact` do not change that.
 
 Why the fix holds: x264 keeps its settings and its own CPU detection, less the AVX-512 flag, and its AVX2 code
-reads only what it wrote (valgrind's memcheck, which can follow AVX2, finds nothing in libx264; with glibc's
-MALLOC_PERTURB_ filling new heap blocks with any byte, the bytes stay the same, tests/test_isolation.py). An
-AVX-512 machine then writes what x264 writes on an AVX2 one. Where libx264 is no shared library this process
+reads only what it wrote (tests/test_isolation.py fills new heap blocks with other bytes and finds the same MP4).
+An AVX-512 machine then writes what x264 writes on an AVX2 one. Where libx264 is no shared library this process
 can find, `mbtree=0` turns the macroblock tree off instead: as reproducible, larger files at the same CRF.
 Measurements: docs/isolation.md and docs/benchmarks.md (figure 7).
 """
@@ -31,11 +30,6 @@ X264_CPU_AVX512 = 1 << 16  # x264.h: the flag that selects x264's AVX-512 routin
 # count the caller fixes, never x264's own (1.5 x the machine's cores): frame threads change the bytes, and x264
 # writes the count into the stream. A bitexact muxer: it would write its version.
 _X264 = {"crf": "18", "preset": "veryfast"}
-
-
-def to_uint8(frames: np.ndarray) -> np.ndarray:
-    """Float frames in [0, 1] (what the pipeline returns with output_type="np") to uint8."""
-    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
 def frames_sha256(frames: np.ndarray) -> str:

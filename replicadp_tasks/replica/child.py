@@ -5,63 +5,95 @@ connects no signal and adds no bootstep (worker.py does), so producers import ta
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from redis import Redis
 
-from .finisher import Finisher
-from ..contract.keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken
-from ..cluster.lease import FenceKeeper, release_unless
-from ..model.pipeline import PipelineHolder
-from .reporter import Reporter
-from ..settings import SETTINGS
 from ..broker.transport import record_dead
+from ..cluster import fence
+from ..contract.errors import PoisonRequest, RequestCancelled
+from ..contract.keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken
+from ..contract.records import RequestState
+from ..model.pipeline import PipelineHolder
+from ..settings import SETTINGS
+from .fences import FenceKeeper
+from .finisher import Finisher
+from .outcomes import Exit, Finishing, exit_process
+from .reporter import Reporter
 
 
 @dataclass
 class PoolChild:
     pipeline: PipelineHolder  # loaded: the model stays resident between requests
-    store: object  # DirStore or RedisStore (store.py)
-    redis: Redis  # rides out a Redis restart (store.outage_tolerant)
+    store: object  # DirStore, RedisStore or S3Store (outputs/store.py)
+    redis: Redis  # rides out a Redis restart (connection.outage_tolerant)
     fences: FenceKeeper  # keeps the fences of its requests and hears their cancels, from a thread
     reporter: Reporter  # writes its progress records, from a thread
     finisher: Finisher  # encodes, stores and answers a request while the next is computed, from a thread
 
+    def check_group(self, task_id: str) -> None:
+        """End this process, before request `task_id` is counted, if its ranks must form their group again (an
+        out of memory on one of them left them apart): the request is requeued and the next child rebuilds it."""
+        if self.pipeline.group_broken is not None:
+            exit_process(Exit.GROUP_LOST, f"request {task_id}: the replica's ranks must form their group again "
+                                          f"({self.pipeline.group_broken})")
+
+    @contextmanager
+    def reporting(self, request):
+        """Around a request's run here: its STARTED record (the pid and the replica) queued for the reporter
+        thread at the start, and every record it queued written before Celery writes its answer; not when the
+        finisher answers it (Finishing: the finisher flushes before it answers)."""
+        self.reporter.put(request.id, RequestState.STARTED, {"pid": os.getpid(), "hostname": request.hostname},
+                          request)
+        try:
+            yield
+        except Finishing:
+            raise
+        except BaseException:
+            self.reporter.flush()
+            raise
+        self.reporter.flush()
+
     def cancelled(self, task_id: str) -> bool:
         return bool(self.redis.exists(CANCEL_KEY + task_id))
 
-    def start_attempt(self, task_id: str) -> tuple[int, bool]:
-        """Count one more start of this task (redeliveries keep the task id); returns the count, and whether the
-        task was cancelled (the same round trip)."""
+    def start_attempt(self, task_id: str, kwargs: dict) -> None:
+        """Count one more start of this task (redeliveries keep the task id), and look for its cancel, in one round
+        trip. RequestCancelled if it was cancelled before it started; PoisonRequest (recorded dead) if each of its
+        REPLICADP_MAX_ATTEMPTS earlier starts ended its replica's process."""
         pipe = self.redis.pipeline()
         pipe.incr(ATTEMPTS_KEY + task_id)
         pipe.expire(ATTEMPTS_KEY + task_id, SETTINGS.result_ttl_s)
         pipe.exists(CANCEL_KEY + task_id)
         attempt, _, cancelled = pipe.execute()
-        return attempt, bool(cancelled)
+        if cancelled:
+            raise RequestCancelled(f"request {task_id} was cancelled before it started")
+        if attempt > SETTINGS.max_attempts:
+            record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process "
+                                     f"{attempt - 1} times", "kwargs": kwargs, "attempts": attempt - 1})
+            raise PoisonRequest(f"request {task_id} ended its replica's process {attempt - 1} times; not retried "
+                                f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
 
     def uncount_attempt(self, task_id: str) -> None:
-        """Take back the count of this start: it ends cleanly, parked (tasks.Delivery.take_fence)."""
+        """Take back the count of this start: it ends cleanly, parked (Delivery.take_fence)."""
         self.redis.decr(ATTEMPTS_KEY + task_id)
 
-    def record_poison(self, task_id: str, kwargs: dict, attempts: int) -> None:
-        record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process {attempts} "
-                                 "times", "kwargs": kwargs, "attempts": attempts})
-
-    def record_completion(self, request_id: str, task_id: str, fence: str, tok: FenceToken) -> bool:
+    def record_completion(self, request_id: str, task_id: str, fence_key: str, tok: FenceToken) -> bool:
         """Count a request stored and release its fence, unless its task was cancelled meanwhile (the same round
         trip); returns whether it was."""
         now = time.time()
         pipe = self.redis.pipeline()
         pipe.zadd(COMPLETED_KEY, {request_id: now})
         pipe.zremrangebyscore(COMPLETED_KEY, 0, now - 3600)
-        release_unless(pipe, fence, tok, CANCEL_KEY + task_id)
+        fence.release_unless(pipe, fence_key, tok, CANCEL_KEY + task_id)
         return not pipe.execute()[2]
 
     def acknowledge(self, delivery_tag: str) -> None:
         """Acknowledge a message as its replica's main process would (kombu's `unacked` and its index), for a
-        request that the finisher answered (errors.Finishing). The main process's lease thread then forgets it."""
+        request that the finisher answered (outcomes.Finishing). The main process's lease thread then forgets it."""
         pipe = self.redis.pipeline()
         pipe.zrem(UNACKED_INDEX_KEY, delivery_tag)
         pipe.hdel(UNACKED_KEY, delivery_tag)

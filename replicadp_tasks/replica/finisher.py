@@ -1,4 +1,4 @@
-"""The pool child's finisher: a thread that ends one request (its encode, store and result, tasks.Delivery.finish)
+"""The pool child's finisher: a thread that ends one request (its encode, store and result, delivery.Delivery.finish)
 while the pipeline computes the next. A GPU would otherwise sit idle through its replica's encode: hundreds of
 milliseconds at 832x480, where a few-step request computes in one or two seconds (docs/benchmarks.md, section 15).
 

@@ -1,9 +1,9 @@
-"""The pool child's writer of progress records: a request's Progress (its phase and step, tasks.Delivery.report)
+"""The pool child's writer of progress records: a request's Progress (its phase and step, delivery.Delivery.report)
 is written from a thread, so that the request does not wait on Redis for it (each is a round trip, fsynced with
 `appendfsync always`: four or more a request, at each change of phase). Records are written in the order given,
 each once; `flush()` waits for those put before it, and a request's answer is written only after a flush (the
 task's, before Celery writes it; the finisher's, before it writes it), so that no progress record lands after
-the request's result (backend.py never lets a record replace a success, but it would replace a failure).
+the request's result (broker/backend.py never lets a record replace a success, but it would replace a failure).
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ Every replica sweeps once a second: a message whose holder's heartbeat has expir
 what is recorded as its own but its process does not hold: at once after a restart under the same name (its
 previous process's), and within two ticks when Celery dropped a message after a broker reconnect; and any
 message delivered a lease ago that no replica recorded (the broker died as it arrived). A message this
-process popped but could not record as delivered (transport.QoS) it puts back once Redis answers.
+process popped but could not record as delivered (broker/transport.QoS) it puts back once Redis answers.
 A sweeper that has just (re)connected waits one lease first, so that a Redis restart, which expires every
 heartbeat at once, does not look like every replica dying.
 
 The delivery tag stays the same when kombu redelivers a message, so the tag alone cannot tell two deliveries
-apart: the fence lock carries a FenceToken (`<replica>:<pid>:<task id>`, keys.py). A delivery that finds the
+apart: the fence lock carries a FenceToken (`<replica>:<pid>:<task id>`, contract/keys.py). A delivery that finds the
 lock held by a live other is parked (`Keeper.park`): its message stays in kombu's `unacked`, recorded as held
 by `parked:<fence key>` instead of a replica, and its replica serves other requests. Every sweep puts a parked
 message whose fence is gone back at the head of the queue: that delivery then finds the stored result, or, if
@@ -32,7 +32,7 @@ fence that the child keeps and then returns the child's result; a stopped child'
 process, which still holds the message. When both stop for longer than a lease, the copy takes the fence and
 computes; the stopped child, once resumed, finds the fence another's at its next step (its fence keeper's last
 look is then too old to answer for it) or, past the last step, right before it stores, and exits without storing
-(see tasks.py).
+(see delivery.py).
 
 A request whose frames are computed is finished (encoded, stored, answered) by a thread of its pool child while
 the replica computes the next (finisher.py): its main process keeps its message and renews its holder and fence
@@ -43,181 +43,28 @@ as a running request's until the child acknowledges it, and requeues it if the c
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from enum import StrEnum
-from typing import NamedTuple
 
 import redis
 
-from . import connection
 from ..broker import transport
-from ..contract.keys import (ALIVE_KEY, CANCEL_CHANNEL, CANCEL_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY,
-                             UNACKED_KEY, FenceToken, fence_key)
+from ..cluster import connection, fence
+from ..cluster.fence import TICK_S
+from ..cluster.scripts import lua
+from ..contract.keys import ALIVE_KEY, HOLDERS_KEY, PARKED, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken, fence_key
+from ..model.parallel import alive
 
 log = logging.getLogger("replicadp")
 
-TICK_S = 1.0  # renewal and sweep period: a lease of 6 s survives 5 missed ticks
-
-# Take the lock if free, or renew it if ours; else say who owns it (atomically: it cannot expire in between).
-_ACQUIRE = ("if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 'acquired' end "
-            "local owner = redis.call('get', KEYS[1]) "
-            "if owner == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 'held' end return owner")
-# Renew the lock only while we own it; release it only if we still own it.
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-# Unless KEYS[2] (the cancel key) exists, release the lock if we still own it: 1 (not cancelled), else 0.
-_RELEASE_UNLESS = ("if redis.call('exists', KEYS[2]) == 1 then return 0 end "
-                   "if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end return 1")
-# Forget a holder only if it is still the one we saw: the message may already be held again elsewhere.
-_FORGET = "if redis.call('hget', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('hdel', KEYS[1], ARGV[1]) end return 0"
-
-
-class FenceState(StrEnum):
-    ACQUIRED = "acquired"  # it was free (or had expired): taken now
-    HELD = "held"  # this delivery held it already: renewed
-    TAKEN = "taken"  # another delivery holds it (`owner` says which)
-    CANCELLED = "cancelled"  # the request was cancelled (acquire_unless only): not taken
-
-
-class FenceAnswer(NamedTuple):
-    state: FenceState
-    owner: str | None = None  # the other delivery's token, when TAKEN
-
-    @property
-    def ours(self) -> bool:
-        return self.state in (FenceState.ACQUIRED, FenceState.HELD)
+FORGET = lua(__package__, "forget_holder")
 
 
 def fence_of(req) -> tuple[str, FenceToken]:
     """The fence key and token of a Celery request running in a pool child, as the main process sees it: the
-    same pair that tasks.Delivery builds in the child (its request_id, else its task id)."""
+    same pair that replica.delivery.Delivery builds in the child (its request_id, else its task id)."""
     return (fence_key(str((req.kwargs or {}).get("request_id") or req.id)),
             FenceToken(req.hostname, req.worker_pid, req.id))
-
-
-def _answer(reply: bytes) -> FenceAnswer:
-    reply = reply.decode()
-    if reply in (FenceState.ACQUIRED, FenceState.HELD):
-        return FenceAnswer(FenceState(reply))
-    return FenceAnswer(FenceState.TAKEN, reply)
-
-
-# --- in the pool child: the fence -----------------------------------------------------------------------
-
-def acquire(r: redis.Redis, key: str, tok: FenceToken, lease_s: int) -> FenceAnswer:
-    """Take the fence for this delivery, or renew it if this delivery holds it; else say who holds it."""
-    return _answer(r.eval(_ACQUIRE, 1, key, str(tok), lease_s * 1000))
-
-
-def acquire_unless(r: redis.Redis, key: str, tok: FenceToken, lease_s: int, cancel_key: str) -> FenceAnswer:
-    """CANCELLED if `cancel_key` exists, else what acquire() answers. One round trip."""
-    pipe = r.pipeline(transaction=False)
-    pipe.exists(cancel_key)
-    pipe.eval(_ACQUIRE, 1, key, str(tok), lease_s * 1000)
-    cancelled, reply = pipe.execute()
-    return FenceAnswer(FenceState.CANCELLED) if cancelled else _answer(reply)
-
-
-def release(r: redis.Redis, key: str, tok: FenceToken) -> None:
-    r.eval(_RELEASE, 1, key, str(tok))
-
-
-def release_unless(pipe, key: str, tok: FenceToken, cancel_key: str) -> None:
-    """Queue on `pipe`: release the fence unless `cancel_key` exists (a cancelled request keeps its fence until
-    its stored video is removed). Its reply: 1 if not cancelled, else 0."""
-    pipe.eval(_RELEASE_UNLESS, 2, key, cancel_key, str(tok))
-
-
-class FenceKeeper:
-    """In the pool child: keeps the fences of its requests (the one it computes, and the one its finisher ends),
-    and watches for their cancels, from a thread, so that a denoising step asks Redis nothing while all is well
-    (`clear`). Every TICK_S it renews each fence (so that a fence outlives a stopped main process, between steps
-    and through decoding, encoding and storing) and looks for each cancel key; between ticks it hears each cancel
-    at once on CANCEL_CHANNEL. A tick that finds a fence not its delivery's, or a cancel heard, makes that
-    request's next step ask Redis itself (tasks.Delivery.on_step), as does a last good look older than two ticks
-    (the process was stopped, or the thread could not run). Its own connections, short timeouts: a look that
-    fails is made again at the next tick."""
-
-    HEARD_KEEP = 1000  # task ids of cancels heard, kept: one heard just before its request starts here counts
-
-    def __init__(self, url: str, lease_s: int):
-        self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
-        self.lease_s = lease_s
-        self.watched: dict[FenceToken, str] = {}  # delivery -> its fence key, of the requests kept
-        self.clear_at: dict[FenceToken, float] = {}  # when (monotonic) a look last found all well for one
-        self.heard: dict[str, None] = {}  # task ids of the cancels heard, oldest first
-
-    def watch(self, fence: str, tok: FenceToken) -> None:
-        """From now on, keep `fence` for `tok`, which has just taken it. A cancel since the request started is
-        already heard (`heard`), or, set without being published, found at the next tick."""
-        self.clear_at[tok] = time.monotonic()
-        self.watched[tok] = fence
-
-    def unwatch(self, tok: FenceToken) -> None:
-        """Stop keeping `tok`'s fence: its request has ended here."""
-        self.watched.pop(tok, None)
-        self.clear_at.pop(tok, None)
-
-    def clear(self, tok: FenceToken) -> bool:
-        """Whether the fence was `tok`'s and no cancel of its task was seen, at a look within two ticks."""
-        return (tok in self.watched and tok.task_id not in self.heard
-                and time.monotonic() - self.clear_at.get(tok, float("-inf")) < 2 * TICK_S)
-
-    def run(self) -> None:
-        failing, channel, next_tick = False, None, time.monotonic()
-        while True:
-            try:
-                if channel is None:
-                    channel = self.redis.pubsub(ignore_subscribe_messages=True)
-                    channel.subscribe(CANCEL_CHANNEL)
-                if time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + TICK_S
-                    self.look()
-                message = channel.get_message(timeout=max(0.0, next_tick - time.monotonic()))
-                if message is not None:
-                    data = message["data"]
-                    self.hear(data.decode() if isinstance(data, bytes) else data)
-                failing = False
-            except redis.RedisError as exc:
-                if not failing:  # once per outage, not once a second
-                    log.warning("lease: cannot keep the fence or hear cancels: %s", exc)
-                failing = True
-                if channel is not None:
-                    channel.close()
-                channel = None
-                time.sleep(max(0.0, next_tick - time.monotonic()))
-
-    def look(self) -> None:
-        """Renew the fences kept and look for their cancels, in one round trip."""
-        watched = list(self.watched.items())
-        if not watched:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for tok, key in watched:
-            pipe.exists(CANCEL_KEY + tok.task_id)
-            pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
-        replies = pipe.execute()
-        for (tok, key), cancelled, renewed in zip(watched, replies[::2], replies[1::2]):
-            if cancelled:
-                self.hear(tok.task_id)
-            if self.watched.get(tok) == key:
-                self.clear_at[tok] = time.monotonic() if renewed and not cancelled else float("-inf")
-
-    def hear(self, task_id: str) -> None:
-        self.heard[task_id] = None
-        if len(self.heard) > self.HEARD_KEEP:
-            del self.heard[next(iter(self.heard))]
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists (a child of this process: its pid is not reused before it is reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _snapshot(requests) -> list:
@@ -229,8 +76,6 @@ def _snapshot(requests) -> list:
             time.sleep(0.001)
     return list(requests())
 
-
-# --- in the main process: heartbeat, renewal, sweep -------------------------------------------------------
 
 class Keeper:
     """One replica's side of the leases; `run()` ticks every TICK_S in a thread of the main process."""
@@ -244,7 +89,7 @@ class Keeper:
         self.fences: dict[str, FenceToken] = {}  # fence key -> token, of the requests running here at the last tick
         self.qos = None  # kombu's Redis QoS of the replica's channel: its restore_by_tag requeues a message
         self.holding = threading.Lock()  # a tick's renewal of the holders it lists, or a park: one at a time
-        # delivery tag -> the Celery request whose pool child finishes it (errors.Finishing): held here, as a
+        # delivery tag -> the Celery request whose pool child finishes it (outcomes.Finishing): held here, as a
         # running request is, until the child acknowledges it (or dies: then it is requeued)
         self.finished_by_child: dict[str, object] = {}
 
@@ -274,10 +119,10 @@ class Keeper:
                 for req in requests:
                     pipe.hset(HOLDERS_KEY, req.message.delivery_tag, self.name)
                 for key, tok in fences.items():
-                    pipe.eval(_RENEW, 1, key, str(tok), self.lease_s * 1000)
+                    fence.renew(pipe, key, tok, self.lease_s)
                 for key, tok in self.fences.items():
                     if fences.get(key) != tok:
-                        pipe.eval(_RELEASE, 1, key, str(tok))
+                        fence.release(pipe, key, tok)
                 pipe.execute()
             self.fences = fences
             if transport.ORPHANS and self.qos is not None:
@@ -308,7 +153,7 @@ class Keeper:
         for tag, message in zip(tags, delivered):
             holder = holders[tag]
             if message is None:  # acknowledged
-                self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder)
+                self.redis.eval(FORGET, 1, HOLDERS_KEY, tag, holder)
                 continue
             if tag in mine:
                 continue
@@ -328,7 +173,7 @@ class Keeper:
                 pipe.exists(holder[len(PARKED):])  # one key each: EXISTS of several only counts them
             for (tag, holder), fence in zip(parked, pipe.execute()):
                 # Of sweepers that find it at once, the one that forgets its parked holder requeues it.
-                if not fence and self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder):
+                if not fence and self.redis.eval(FORGET, 1, HOLDERS_KEY, tag, holder):
                     log.info("lease: message %s, parked on %s, goes back to the queue (the fence is free)", tag,
                              holder[len(PARKED):])
                     self.qos.restore_by_tag(tag, client=self.redis, leftmost=False)
@@ -341,14 +186,14 @@ class Keeper:
                     self.requeue(tag, None, "no replica recorded it")
 
     def park(self, req) -> None:
-        """`req` found its request computed by another live delivery (errors.Parked) and has ended here: record
+        """`req` found its request computed by another live delivery (outcomes.Parked) and has ended here: record
         its message as held by no replica but parked on that request's fence, for the sweep to requeue once the
         fence is gone. The message stays in kombu's `unacked` (the caller settles it in this process only)."""
         with self.holding:
             self.redis.hset(HOLDERS_KEY, req.message.delivery_tag, PARKED + fence_of(req)[0])
 
     def finishing(self, req) -> None:
-        """`req`'s frames are computed and its pool child finishes it (errors.Finishing): keep renewing its holder
+        """`req`'s frames are computed and its pool child finishes it (outcomes.Finishing): keep renewing its holder
         and its fence, as for a running request, until the child acknowledges its message."""
         with self.holding:
             self.finished_by_child[req.message.delivery_tag] = req
@@ -361,7 +206,7 @@ class Keeper:
         tags = list(self.finished_by_child)
         for tag, message in zip(tags, self.redis.hmget(UNACKED_KEY, tags)):
             req = self.finished_by_child[tag]
-            if message is not None and _alive(req.worker_pid):
+            if message is not None and alive(req.worker_pid):
                 continue
             with self.holding:
                 del self.finished_by_child[tag]
@@ -373,7 +218,7 @@ class Keeper:
         """The pool child running `req` died: release its fence and requeue its message now, not at the next
         tick (the requeued request would wait on the fence)."""
         if req.worker_pid:
-            release(self.redis, *fence_of(req))
+            fence.release(self.redis, *fence_of(req))
         self.requeue(req.message.delivery_tag, self.name, "its pool child was lost")
 
     def requeue(self, tag: str, holder: str | None, why: str) -> None:
@@ -381,5 +226,5 @@ class Keeper:
         # Back at the head of the queue (kombu pops from the right): it has waited already.
         self.qos.restore_by_tag(tag, client=self.redis, leftmost=False)
         if holder is not None:
-            self.redis.eval(_FORGET, 1, HOLDERS_KEY, tag, holder)
+            self.redis.eval(FORGET, 1, HOLDERS_KEY, tag, holder)
         self.missing.pop(tag, None)
