@@ -2,11 +2,16 @@
 replicadp_tasks.settings, which reads the environment once at start-up."""
 
 from replicadp_tasks.broker import transport_for as _transport_for
-from replicadp_tasks.cluster.connection import (celery_backend_url as _celery_backend_url,
+from replicadp_tasks.cluster.connection import (CONNECT_TIMEOUT_S as _CONNECT_TIMEOUT_S,
+                                                REPLY_TIMEOUT_S as _REPLY_TIMEOUT_S,
+                                                celery_backend_url as _celery_backend_url,
                                                 celery_options as _celery_options, celery_url as _celery_url)
 from replicadp_tasks.contract.scheduling import LEVELS as _LEVELS
 from replicadp_tasks.settings import SETTINGS as _S
 
+# How often kombu checks the broker's long-lived connections (BRPOP, pub/sub), and redis-py PINGs a connection idle
+# this long before using it.
+_BROKER_HEALTH_CHECK_S = 5
 # One Redis serves as broker and result backend; REDIS_URL (or `replicadp up`'s state) names it.
 # The URL as given, for replicadp's own clients (client.api.redis_url). A Sentinel URL reaches Celery without
 # our query parameters; the master's name goes in the transport options.
@@ -61,13 +66,19 @@ task_time_limit = _S.time_limit_s
 # Redis redelivers an unacknowledged message after visibility_timeout: keep it above the hard limit,
 # or a long request runs twice.
 # One list per replicadp priority (contract/scheduling.py), read in that order; kombu's default has a fourth.
+# A server that stops answering (a frozen primary: its connections stay open) is left after the replies' timeout,
+# for the master Sentinel names: a publish (a worker's event) would wait on it for good, and the event loop with
+# it; a BRPOP with no reply past its 1 s and the health check's interval is dropped (kombu's default: 25 s).
 broker_transport_options = {"visibility_timeout": _S.time_limit_s + 300, "priority_steps": _LEVELS,
-                            **_celery_options(_S.redis_url)}
+                            "socket_timeout": _REPLY_TIMEOUT_S, "socket_connect_timeout": _CONNECT_TIMEOUT_S,
+                            "health_check_interval": _BROKER_HEALTH_CHECK_S, **_celery_options(_S.redis_url)}
 # Sending a request rides out a Redis restart (~30 s of retries) instead of failing the caller.
 task_publish_retry_policy = {"max_retries": 30, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
-# An unreachable Redis is a clear error within seconds, not a hang.
-redis_socket_connect_timeout = 5
-broker_connection_timeout = 5
+# An unreachable Redis is a clear error within seconds, not a hang; a frozen one too (the result backend's client,
+# which the replicas write results with and the clients read them: Celery's default waits 120 s).
+redis_socket_connect_timeout = _CONNECT_TIMEOUT_S
+redis_socket_timeout = _REPLY_TIMEOUT_S
+broker_connection_timeout = _CONNECT_TIMEOUT_S
 # A replacement pool child loads the model before it reports UP; give it the time a real model needs.
 worker_proc_alive_timeout = _S.load_timeout_s
 # Replicas come up before or after Redis; keep retrying instead of exiting.

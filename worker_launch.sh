@@ -61,7 +61,9 @@ fi
 
 # Supervise one replica: run it, and when it exits on its own (a crash, an OOM kill of the main process),
 # start it again with the same name and devices after a backoff that doubles while it keeps dying young.
-# A crash loop is reported on stderr each time, never hidden.
+# A crash loop is reported on stderr each time, never hidden. A replica that exits with EXIT_CONFIG could not load
+# what it is configured to serve (replicadp_tasks/replica/outcomes.py, Exit.CONFIG): it is not restarted.
+EXIT_CONFIG=78
 supervise() {
   local name=$1; shift
   local child="" stopping="" backoff=1 crashes=0 started rc
@@ -75,6 +77,10 @@ supervise() {
     rc=0
     wait "$child" || rc=$?
     [[ -n $stopping ]] && break
+    if (( rc == EXIT_CONFIG )); then  # it cannot load what it is configured to serve: a restart would not mend it
+      say ERROR "$name exited with status $rc: it cannot load its model or store (its log says why); not restarting"
+      return "$rc"
+    fi
     if (( SECONDS - started < 60 )); then
       crashes=$(( crashes + 1 ))
     else
@@ -110,5 +116,8 @@ for (( i = 0; i < NUM_REPLICAS; i++ )); do
 done
 say INFO "started ${#pids[@]} supervised replica(s) on DEVICES=$DEVICES"
 
-# The launcher ends when every supervisor has (on Ctrl-C or SIGTERM).
-wait "${pids[@]}"
+# The launcher ends when every supervisor has (on Ctrl-C or SIGTERM, or when no replica can start): with the status
+# of the last supervisor that failed.
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"

@@ -1,19 +1,21 @@
 """Chaos benchmark: a batch against real replicas while pool children, whole replicas, follower ranks (with
 --parallel) and Redis are killed at random moments, replicas are stopped (SIGSTOP, then SIGCONT: a frozen or
 partitioned host) and malformed messages are pushed onto the queue; with --ha, a Redis that fails over instead
-of one server, whose primary is killed or stopped until Sentinel promotes another, and whose Sentinels are
-killed. Prints requests submitted / completed / failed / lost / computed more than once, and the recovery time
+of one server, whose primary is killed, stopped until Sentinel promotes another, or frozen for a set time (a
+paused VM, a partition), and whose Sentinels are killed. Prints requests submitted / completed / failed / lost / computed more than once, and the recovery time
 of each kind of fault (median and max); writes JSON.
 
     .venv/bin/python bench/chaos.py --replicas 3 --requests 60 --out bench-results/chaos.json
     .venv/bin/python bench/chaos.py --replicas 2 --parallel ulysses:2 --faults follower,child,redis \
         --out bench-results/chaos-parallel.json                                       # replicas of 2 ranks
     .venv/bin/python bench/chaos.py --ha --replicas 2 --requests 120 --out bench-results/chaos-ha.json
+    .venv/bin/python bench/chaos.py --ha --faults primary-freeze --freeze 20 --out bench-results/chaos-freeze.json
 
 Recovery time of a fault: from the kill or stop until the request it interrupted has completed (a child or
 replica kill, a stop), or until the next request completes (a Redis kill: the server is down for `--redis-down`
 seconds; a poison message; a fault of the HA stack, from the moment it strikes: the primary or Sentinel killed
-comes back after `--redis-down` seconds, the stopped primary once another is promoted).
+comes back after `--redis-down` seconds, the stopped primary once another is promoted, the frozen one after
+`--freeze` seconds, whatever Sentinel did meanwhile).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from replicadp_tasks.contract.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
 
 FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower",
-          "primary-kill", "primary-stop", "sentinel-kill")
-HA_FAULTS = ("primary-kill", "primary-stop", "sentinel-kill")  # of the HA stack (--ha), which the others are not
+          "primary-kill", "primary-stop", "primary-freeze", "sentinel-kill")
+HA_FAULTS = ("primary-kill", "primary-stop", "primary-freeze", "sentinel-kill")  # of the HA stack (--ha), which the others are not
 PROMOTION_WAIT_S = 30.0  # primary-stop: the primary stays stopped until Sentinel promotes another, at most this
 # Messages that each crashed a replica's main process, looped its consumer or were never answered, before
 # replicas checked what they pop (replicadp_tasks/broker/message.py).
@@ -113,8 +115,9 @@ class Chaos:
     """Kills something every `interval` seconds (randomised) until stopped; records each fault."""
 
     def __init__(self, server: EmbeddedServer | HAStack, seed: int, interval: float, redis_down: float, stop_s: float,
-                 kinds):
+                 freeze_s: float, kinds):
         self.server, self.interval, self.redis_down, self.stop_s, self.kinds = server, interval, redis_down, stop_s, kinds
+        self.freeze_s = freeze_s
         self.rng = random.Random(seed)
         self.faults: list[dict] = []
         self.stop = threading.Event()
@@ -166,6 +169,21 @@ class Chaos:
                 os.kill(primary.proc.pid, signal.SIGCONT)
             self.server.wait_settled(60)
             return
+        if kind == "primary-freeze":  # stopped for --freeze seconds, whatever Sentinel does meanwhile
+            primary = self.server.primary()
+            os.kill(primary.proc.pid, signal.SIGSTOP)
+            at = time.time()
+            fault = {"kind": kind, "at": at, "task_id": None, "down_s": 0.0, "freeze_s": self.freeze_s}
+            try:
+                while time.time() < at + self.freeze_s:
+                    if "promoted_s" not in fault and self.server.master_address()[1] != primary.port:
+                        fault["promoted_s"] = round(time.time() - at, 2)
+                    time.sleep(0.05)
+            finally:
+                os.kill(primary.proc.pid, signal.SIGCONT)
+            self.faults.append(fault)
+            self.server.wait_settled(60)
+            return
         if kind == "poison":
             self.client().lpush(SETTINGS.queue, self.rng.choice(POISON))
             self.faults.append({"kind": kind, "at": time.time(), "task_id": None, "down_s": 0.0})
@@ -207,6 +225,8 @@ class Chaos:
 @click.option("--redis-down", default=2.0, show_default=True, help="Seconds Redis stays down when killed.")
 @click.option("--stop", "stop_s", default=15.0, show_default=True,
               help="Seconds a stopped replica stays stopped (more than the 6 s lease: its requests are requeued).")
+@click.option("--freeze", "freeze_s", default=30.0, show_default=True,
+              help="Seconds a frozen primary (primary-freeze) stays stopped: longer than Sentinel's failover.")
 @click.option("--faults", "kinds", help=f"Kinds of fault to draw from: {', '.join(FAULTS)}. Default: those of "
               "replicas and Redis but follower (which needs --parallel); with --ha, " + ", ".join(HA_FAULTS) + ".")
 @click.option("--parallel", default="none", show_default=True,
@@ -216,8 +236,8 @@ class Chaos:
 @click.option("--seed", default=1, show_default=True)
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds after which a request counts as lost.")
 @click.option("--out", default="bench-results/chaos.json", show_default=True, type=click.Path(path_type=Path))
-def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, kinds, parallel, ha, seed,
-         timeout, out):
+def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, stop_s, freeze_s, kinds, parallel, ha,
+         seed, timeout, out):
     console = Console(width=None if sys.stdout.isatty() else 160)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the replicas, remove the run folder
     width, height = size
@@ -250,7 +270,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
                          "num_frames": num_frames, "num_inference_steps": steps,
                          "priority": ("interactive", "normal", "batch")[i % 3],
                          "user": ("a", "b", "c", None)[i % 4]} for i in range(count)]
-            chaos = Chaos(server, seed, interval, redis_down, stop_s, kinds)
+            chaos = Chaos(server, seed, interval, redis_down, stop_s, freeze_s, kinds)
             thread = threading.Thread(target=chaos.run, daemon=True)
             started = time.time()
             thread.start()
@@ -290,7 +310,7 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
     lost = count - sum(o.ok for o in outcomes) - len(failed)
     report = {
         "replicas": n, "parallel": parallel, "ha": ha, "requests": count, "size": f"{width}x{height}", "num_frames": num_frames, "steps": steps,
-        "interval_s": interval, "redis_down_s": redis_down, "seed": seed, "elapsed_s": round(elapsed, 1),
+        "interval_s": interval, "redis_down_s": redis_down, "freeze_s": freeze_s, "seed": seed, "elapsed_s": round(elapsed, 1),
         "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
         "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),
         "poison_pushed": sum(f["kind"] == "poison" for f in chaos.faults), "poison_refused": refused,

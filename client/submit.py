@@ -89,8 +89,11 @@ def read_batch(path: Path, defaults: dict | None = None, accepted: Accepts = Acc
         if jsonl:
             try:
                 kwargs = json.loads(line, object_pairs_hook=unique_keys)
-            except ValueError as exc:
+            except json.JSONDecodeError as exc:
                 errors.append(f"line {n}: not JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except (ValueError, RecursionError) as exc:  # a number too long to convert; nesting past the decoder
+                errors.append(f"line {n}: not JSON within bounds ({type(exc).__name__}: {str(exc)[:120]})")
                 continue
             except DuplicateKey as exc:
                 errors.append(f"line {n}: key {exc.args[0]!r} given twice; give each argument once")

@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Callable
 
-from .cluster.connection import parse as parse_redis_url
+from .cluster.connection import REPLY_TIMEOUT_S, parse as parse_redis_url
 from .cluster.replication import Durability
 from .contract.errors import RedisURLError
 from .contract.scheduling import Scheduling
@@ -58,6 +58,17 @@ def at_least(low: int) -> Parse:
     def parse(name: str, raw: str) -> int:
         value = integer(name, raw)
         return value if value >= low else refuse(name, value, f"is below {low}")
+    return parse
+
+
+# A WAIT's own timeout leaves half a second of the reply's for the answer to come back.
+_ACK_TIMEOUT_MAX_MS = int(REPLY_TIMEOUT_S * 1000) - 500
+
+
+def between(low: int, high: int) -> Parse:
+    def parse(name: str, raw: str) -> int:
+        value = integer(name, raw)
+        return value if low <= value <= high else refuse(name, value, f"is not from {low} to {high}")
     return parse
 
 
@@ -291,7 +302,10 @@ class Settings:
         default_text="1 with a Sentinel URL, else 0")
     redis_ack_timeout_ms: int = setting(
         "REPLICADP_REDIS_ACK_TIMEOUT_MS", 1000, "A replica answers WAIT in well under a millisecond; one that does not "
-        "answer in this is down or cut off, and the write goes on with the master's copy alone (logged).", integer)
+        "answer in this is down or cut off, and the write goes on with the master's copy alone (logged). From 0 to "
+        f"{_ACK_TIMEOUT_MAX_MS}: below the time a Redis reply may take ({REPLY_TIMEOUT_S:g} s, "
+        "cluster/connection.REPLY_TIMEOUT_S), or a WAIT would be taken for a frozen server.",
+        between(0, _ACK_TIMEOUT_MAX_MS))
     max_image_bytes: int = setting(
         "REPLICADP_MAX_IMAGE_BYTES", 20 * 1024 * 1024, "A first frame is at most a few MB; larger inputs are refused "
         "before decoding.", integer)

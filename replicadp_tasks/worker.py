@@ -59,6 +59,8 @@ class MainProcess:
 
     name: str | None = None  # the replica's node name
     stopping: object = None  # a RawValue in shared memory, set at shutdown; the pool children read it
+    load_failed: object = None  # a RawValue in shared memory, set by a pool child that cannot load its model
+    worker: object = None  # Celery's WorkController, whose exitcode the process exits with
     keeper: Keeper | None = None  # the leases (replica/leases.py), ticking in a thread
     consumer: object = None  # Celery's consumer, to stop consuming the shared queue
     heartbeat: Heartbeat | None = None  # whether it serves (cluster/heartbeat.py), beating in a thread
@@ -72,7 +74,9 @@ MAIN = MainProcess()
 def _start_on_standby(sender, instance, conf, **_):
     """In the main process, before it consumes: listen only on this replica's standby queue."""
     MAIN.name = transport.HOLDER = sender
+    MAIN.worker = instance
     MAIN.stopping = multiprocessing.RawValue("b", 0)  # shared memory: pool children see it set
+    MAIN.load_failed = multiprocessing.RawValue("b", 0)  # and the main process sees theirs
     # An exchange of its own: by default Celery binds a queue to the default exchange, `video`, with the routing
     # key `video`, and a request published through that exchange would be copied into every standby queue.
     standby = STANDBY_PREFIX + sender
@@ -92,9 +96,13 @@ def _sweep_the_store(**_):
 @signals.worker_shutting_down.connect
 def _stopping(**_):
     """In the main process, at SIGTERM/SIGINT: tell a child still loading not to wait for an answer that a
-    stopping main process no longer gives (it would hang the warm shutdown until SIGKILL)."""
+    stopping main process no longer gives (it would hang the warm shutdown until SIGKILL). At the SIGQUIT of a
+    pool child that could not load its model: exit with Exit.CONFIG (Celery's cold shutdown exits 0), so that the
+    supervisor tells a configuration to fix from a crash to restart (worker_launch.sh stops restarting it)."""
     if MAIN.stopping is not None:
         MAIN.stopping.value = 1
+    if MAIN.load_failed is not None and MAIN.load_failed.value:
+        MAIN.worker.exitcode = Exit.CONFIG
 
 
 def _consuming() -> bool:
@@ -301,9 +309,11 @@ def _load_then_consume(**_):
         pipeline.load()
         store = open_store(SETTINGS)
     except Exception:
-        log.exception("replica %s cannot load model %r; stopping", name, SETTINGS.model)
+        log.exception("replica %s cannot load model %r; stopping (exit status %d: a configuration to fix)", name,
+                      SETTINGS.model, Exit.CONFIG)
+        MAIN.load_failed.value = 1
         os.kill(os.getppid(), signal.SIGQUIT)
-        os._exit(1)
+        os._exit(Exit.CONFIG)
     # 2. The pool child's state, and its threads: the fence keeper, the reporter, the finisher.
     child.become(_pool_child(name, pipeline, store))
     # 3. Publish what it serves, then consume the shared queue.

@@ -142,3 +142,15 @@ def test_the_master_checked_after_a_write_is_never_the_old_one_during_a_failover
         assert samples[-1][1] == ("127.0.0.1", ha.master_address()[1]) != old
     finally:
         ha.stop()
+
+
+def test_the_ack_timeout_stays_below_the_reply_timeout(monkeypatch):
+    """REPLICADP_REDIS_ACK_TIMEOUT_MS above 4500 (the reply timeout, 5 s, less half a second) stops start-up, naming
+    the variable and the value: a WAIT that long would be taken for a frozen server and its connection dropped."""
+    from replicadp_tasks.settings import Settings
+
+    monkeypatch.setenv("REPLICADP_REDIS_ACK_TIMEOUT_MS", "4500")
+    assert Settings.from_env().durability.ack_timeout_ms == 4500
+    monkeypatch.setenv("REPLICADP_REDIS_ACK_TIMEOUT_MS", "5000")
+    with pytest.raises(SystemExit, match="REPLICADP_REDIS_ACK_TIMEOUT_MS=5000 is not from 0 to 4500"):
+        Settings.from_env()

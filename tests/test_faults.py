@@ -8,6 +8,7 @@ as a real model; the tiny model serves where loading or memory is what the test 
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ import pytest
 import redis
 
 from client.api import _app_for, live_replicas
+from client.local.replicas import LAUNCHER, Replicas, stop_group
 from conftest import run_client_on, start_replicas
 from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
                      wait_for_step)
@@ -191,6 +193,26 @@ def test_launcher_restarts_a_dead_replica(redis_db, tmp_path):
         assert f"{name.split('@')[0]} exited with status" in log and "restarting in 1 s" in log
     finally:
         group.stop()
+
+
+def test_a_replica_that_cannot_load_its_model_exits_78_and_is_not_restarted(redis_db, tmp_path):
+    """A configuration that cannot load (REPLICADP_LORAS registers an adapter whose file is missing) is not a crash
+    to restart: the replica exits with status 78 (Exit.CONFIG), its supervisor says why and does not start it
+    again, and worker_launch.sh ends with that status (had been: exit 0, restarted until `down`)."""
+    registry = tmp_path / "loras.toml"
+    registry.write_text('[adapters.gone]\nsource = "gone.safetensors"\n')
+    env = Replicas(1, redis_url=redis_db(), model="tiny", threads=1, log_path=tmp_path / "unused.log",
+                   env={"REPLICADP_LORAS": str(registry), "OUTPUT_DIR": str(tmp_path / "out")}).env
+    launcher = subprocess.Popen(["bash", str(LAUNCHER), "--loglevel", "INFO"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = launcher.communicate(timeout=180)  # it ends on its own
+    finally:
+        if launcher.poll() is None:
+            stop_group(launcher.pid, 10, launcher)
+    assert launcher.returncode == 78, log[-3000:]
+    assert log.count("exited with status 78") == 1 and "not restarting" in log and "restarting in" not in log
+    assert "gone.safetensors" in log  # the log names what to fix
 
 
 def test_soft_time_limit_fails_the_request_and_the_replica_serves_on(redis_db, tmp_path):

@@ -128,6 +128,30 @@ def test_every_answer_says_nosniff_and_no_referrer_and_redirects_by_path(keyless
     assert c.get("/v1/videos/", headers={"Host": "localhost:9"}).status_code == 404
 
 
+@pytest.mark.parametrize("loras, why", [
+    ("[" * 1000 + "]" * 1000, "nests lists or objects deeper than 8"),  # had been a 500, its connection reset
+    ("[" * 9 + "]" * 9, "nests lists or objects deeper than 8"),
+    ('[{"name": "style", "scale": 1' + "0" * 5000 + "}]", "characters long; the limit is 4096"),
+    ('[{"name": "style", "scale": 1' + "0" * 40 + "}]", "a number of 41 characters"),
+    ('[{"name": "style", "scale": 1e999}]', "1e999 is not a finite number"),
+    ('[{"name": "style", "scale": NaN}]', "NaN is not a number JSON allows"),
+    ('[{"name": "style", "name": "other"}]', "key 'name' given twice"),
+    ('[{"name": "' + "x" * 5000 + '"}]', "characters long; the limit is 4096"),
+])
+def test_json_that_would_exhaust_the_decoder_is_a_400_naming_the_field(keyless, loras, why):
+    """A form field that carries JSON (`loras`) is bounded before and while it is decoded: nested too deep (a
+    RecursionError in the decoder had answered 500, plain text, without the security headers, and reset the
+    connection), too long, a number too long or not finite, a key given twice. Each is a 400 naming `loras`, with
+    the headers every answer carries, and the next request on the same connection is answered."""
+    c = keyless.client
+    refused = c.post("/v1/videos", files=multipart({**SMALL, "loras": loras}))
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["param"] == "loras" and why in error["message"], error
+    assert refused.headers["x-content-type-options"] == "nosniff"
+    assert c.get("/v1/videos").status_code == 200  # the same keep-alive connection
+
+
 def test_idle_and_slow_connections_are_closed_and_health_answers_at_the_limit(redis_db):
     """Connections that send nothing, or headers never finished, past --max-connections: /health (a new
     connection) still gets an answer (uvicorn's 503 at the limit, not a hang or a refused accept), and each idle
@@ -148,6 +172,72 @@ def test_idle_and_slow_connections_are_closed_and_health_answers_at_the_limit(re
                 conn.close()
         health = wait_for(lambda: httpx.get(f"{gw.url}/health", timeout=30), "an answer")
         assert health.json()["status"] == "unavailable"  # the app's answer (no replica), not the limit's
+
+
+def test_idle_sockets_past_the_file_limit_are_shed_and_health_answers_throughout(redis_db):
+    """A gateway whose open-file limit is 256 (its default connection limit then 128), against 300 connections
+    that send nothing and are opened again whenever the gateway closes one: those silent longest are closed as new
+    ones come and every tenth of a second, so /health, asked 12 times half a second apart on a new connection, is
+    answered every time within 5 s (by the app, or by uvicorn's 503 at the limit; the app's at least once), and a
+    failing accept() is logged at most once per 10 s (had been: /health timed out and the log took a traceback
+    per accept, 294,420 in two minutes)."""
+    import resource
+    import threading
+    import time
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # the gateway inherits it
+    try:
+        gw_context = gateway(redis_db(), "abuse-fds", "--header-timeout", "60")
+        gw = gw_context.__enter__()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        host, port = gw.url.removeprefix("http://").split(":")
+        stop, opened = threading.Event(), [0]
+
+        def hold():  # 300 idle connections, each opened again once the gateway closes it
+            conns = []
+            while not stop.is_set():
+                conns = [c for c in conns if c.fileno() != -1]
+                while len(conns) < 300 and not stop.is_set():
+                    try:
+                        conns.append(socket.create_connection((host, int(port)), timeout=2))
+                        opened[0] += 1
+                    except OSError:
+                        break
+                for c in list(conns):
+                    try:
+                        c.setblocking(False)
+                        if c.recv(1) == b"":  # closed by the gateway
+                            c.close()
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        c.close()
+                time.sleep(0.05)
+            for c in conns:
+                c.close()
+
+        attacker = threading.Thread(target=hold, daemon=True)
+        attacker.start()
+        statuses = []
+        for _ in range(12):
+            answer = httpx.get(f"{gw.url}/health", timeout=5)  # no timeout, no reset
+            app = answer.headers.get("content-type") == "application/json"
+            statuses.append((answer.status_code, answer.json()["status"] if app else answer.text))
+            time.sleep(0.5)
+        stop.set()
+        attacker.join(timeout=30)
+    finally:
+        gw_context.__exit__(None, None, None)
+    # The app's answer (no replica here), or uvicorn's at the connection limit while the silent connections are too
+    # young to close; the app's at least once.
+    assert set(statuses) <= {(503, "unavailable"), (503, "Service Unavailable")} and (503, "unavailable") in statuses
+    assert opened[0] > 300  # the gateway closed idle connections as new ones came
+    log = gw.log_path.read_text()
+    assert "socket.accept() out of system resource" not in log, log[-3000:]  # asyncio's own line, a traceback each
+    assert log.count("cannot accept connections") <= 2, log[-3000:]
 
 
 def test_image_errors_name_what_was_sent_not_what_the_server_resolved(tmp_path):

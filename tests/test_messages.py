@@ -48,6 +48,14 @@ def without(env: dict, part: str, key: str) -> dict:
     return env
 
 
+def nested_body(depth: int) -> dict:
+    """A request whose kwargs nest a list `depth` deep, as text (json.dumps of it would recurse as deep)."""
+    env = envelope()
+    text = '[[], {"prompt": "raw", "loras": ' + "[" * depth + "]" * depth + '}, {}]'
+    env["body"] = base64.b64encode(text.encode()).decode()
+    return env
+
+
 # Each: (what it is, raw bytes, whether it names a task id a client could wait on). The first eight crashed a
 # replica's main process, looped its consumer or left a client waiting forever before the check existed.
 POISON = [
@@ -67,6 +75,9 @@ POISON = [
     ("two positional args", envelope(body=[["a", "b"], {}, {}]), True),
     ("timelimit past the replica's", envelope(headers={"timelimit": [10 ** 9, None]}), True),
     ("not UTF-8", b"\xff\xfe{}", False),
+    # Nested past the JSON decoder's recursion: its RecursionError had escaped the check.
+    ("envelope nested 100000 deep", b"[" * 100_000 + b"]" * 100_000, False),
+    ("kwargs nested 100000 deep", nested_body(100_000), True),
 ]
 
 

@@ -126,15 +126,21 @@ def test_delete_removes_the_pair(s3_server, s3_bucket):
 
 def test_sweep_removes_only_what_is_older_than_the_cutoff(s3_server, s3_bucket):
     """The sweep removes pairs and MP4s no JSON names (a write that failed half way) last written before the
-    cutoff, and keeps newer pairs and what is not the store's (other prefixes, deeper "folders", other names,
-    however old: had been, every old `.json` and `.mp4` under the prefix)."""
+    cutoff, and keeps newer pairs and what is not the store's (other prefixes, deeper "folders", other names, and
+    objects named like the store's that it did not write, however old: had been, every old `.json` and `.mp4`
+    under the prefix, then every old one named like the store's)."""
     store = store_on(s3_server, s3_bucket)
     old = store.put("old", b"old", {})
-    s3_server.client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}orphan.{uuid.uuid4().hex}.mp4", Body=b"half")
+    # The MP4 of a put that died before its JSON: the store's own object (its metadata), named by no Result.
+    s3_server.client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}orphan.{uuid.uuid4().hex}.mp4", Body=b"half",
+                                Metadata={"replicadp": "video"})
     s3_server.client.put_object(Bucket=s3_bucket, Key="elsewhere/old.mp4", Body=b"not ours")
     s3_server.client.put_object(Bucket=s3_bucket, Key=f"{PREFIX}notes.txt", Body=b"not ours")
+    # Not the store's, whatever their age: other names, deeper "folders", and names like the store's that it did
+    # not write (no metadata of its own: a `package.json` holding `{}` had been removed).
     others = [f"{PREFIX}package.json.bak", f"{PREFIX}intro.mp4", f"{PREFIX}team/old.json", f"{PREFIX}.env",
-              f"{PREFIX}team/old.{uuid.uuid4().hex}.mp4", f"{PREFIX}clip.0123.mp4"]
+              f"{PREFIX}team/old.{uuid.uuid4().hex}.mp4", f"{PREFIX}clip.0123.mp4", f"{PREFIX}package.json",
+              f"{PREFIX}clip.{uuid.uuid4().hex}.mp4"]
     for key in others:
         s3_server.client.put_object(Bucket=s3_bucket, Key=key, Body=b"not ours")
     written = {o["Key"]: o["LastModified"].timestamp()

@@ -73,6 +73,15 @@ def test_input_key_covers_every_output_changing_input():
     assert input_key(base, "tiny", {}) == input_key(base, "tiny")  # the exact path's key needs no `served`
 
 
+def test_negative_zero_is_zero_in_a_requests_identity():
+    """-0.0 and 0.0 compute the same frames, so they are one input: the same params and input key (had been: two
+    keys, and a request_id reused across them was a RequestIdConflict)."""
+    for field in ("guidance_scale", "guidance_scale_2", "boundary_ratio"):
+        minus, plus = (validate_request({"prompt": "x", field: zero}).params() for zero in (-0.0, 0.0))
+        assert minus == plus and str(minus[field]) == "0.0", field
+        assert input_key(minus, "tiny") == input_key(plus, "tiny"), field
+
+
 def test_dir_store_first_writer_wins(tmp_path):
     """Two deliveries of one request_id: the first stored result stays and is what both get back."""
     store = DirStore(tmp_path)

@@ -35,6 +35,7 @@ class ErrorCode(StrEnum):
     REDIS_UNAVAILABLE = "redis_unavailable"
     SHUTTING_DOWN = "shutting_down"  # 503: a sync request handed over as a job when the gateway stopped
     HTTP_ERROR = "http_error"  # Starlette's own (405 and the like)
+    INTERNAL_ERROR = "internal_error"  # 500: a fault in the gateway itself
 
 
 class GatewayError(HTTPException):

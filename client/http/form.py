@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import base64
 import inspect
-import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import File, Form, Request, UploadFile
 
-from replicadp_tasks.contract import DEFAULTS, MAX_FPS, MAX_FRAMES, InvalidRequest, parse_size
+from replicadp_tasks.contract import DEFAULTS, MAX_FPS, MAX_FRAMES, InvalidRequest, decode_json, parse_size
 from replicadp_tasks.settings import SETTINGS
 
 from .errors import ErrorCode, GatewayError
+
+
+# The `loras` field's JSON, at most: MAX_LORAS objects {"name": ..., "scale": ...} fit many times over.
+LORAS_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -142,13 +145,7 @@ def generate_kwargs(form: VideoForm) -> dict:
         if num_frames > MAX_FRAMES:
             raise InvalidRequest.of("seconds", f"at fps={fps} that is {num_frames} frames, more than {MAX_FRAMES}",
                                     value=form.seconds)
-    loras = None
-    if form.loras is not None:
-        try:
-            loras = json.loads(form.loras)
-        except ValueError:
-            raise InvalidRequest.of("loras", 'must be JSON: [{"name": ..., "scale": ...}, ...]',
-                                    value=form.loras[:80]) from None
+    loras = None if form.loras is None else decode_json("loras", form.loras, LORAS_CHARS)
     kwargs = {"prompt": form.prompt, "negative_prompt": form.negative_prompt, "seed": form.seed, "height": height,
               "width": width, "num_frames": num_frames, "num_inference_steps": form.num_inference_steps,
               "guidance_scale": form.guidance_scale, "guidance_scale_2": form.guidance_scale_2,

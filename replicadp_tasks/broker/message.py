@@ -54,6 +54,8 @@ def check(raw: bytes) -> dict:
         envelope = json.loads(raw)
     except ValueError:  # also not UTF-8
         raise MessageRefused("envelope is not JSON") from None
+    except RecursionError:  # nested past the decoder's recursion: no request is
+        raise MessageRefused("envelope nests lists or objects too deep") from None
     if not isinstance(envelope, dict):
         raise MessageRefused(f"envelope is a JSON {type(envelope).__name__}, not an object")
     task_id = task_id_of(envelope)
@@ -77,6 +79,8 @@ def _check_envelope(envelope: dict) -> None:
         body = json.loads(base64.b64decode(envelope["body"], validate=True))
     except (binascii.Error, ValueError):
         raise MessageRefused("body: not base64 of JSON") from None
+    except RecursionError:
+        raise MessageRefused("body: nests lists or objects too deep") from None
     _check_body(body)
 
 

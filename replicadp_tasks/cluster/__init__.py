@@ -3,9 +3,9 @@ that a failover keeps (replication.py), the fence that lets one delivery compute
 replica's heartbeat (heartbeat.py), and the Lua scripts' loader (scripts.py)."""
 
 from . import connection, heartbeat, replication
-from .connection import client, outage_tolerant, redacted
+from .connection import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, client, outage_tolerant, redacted
 from .replication import NotReplicated, durable
 from .scripts import lua
 
-__all__ = ["NotReplicated", "client", "connection", "durable", "heartbeat", "lua", "outage_tolerant",
+__all__ = ["CONNECT_TIMEOUT_S", "REPLY_TIMEOUT_S", "NotReplicated", "client", "connection", "durable", "heartbeat", "lua", "outage_tolerant",
            "redacted", "replication"]

@@ -35,6 +35,11 @@ SENTINEL_PORT = 26379
 # Our query parameters on a Sentinel URL; Celery is given the URL without them (celery_url).
 MASTER_PARAM, SENTINEL_PASSWORD_PARAM = "master_name", "sentinel_password"
 SENTINEL_TIMEOUT_S = 2.0  # a Sentinel that does not answer in this is skipped for the next one
+# A server that has not answered a command in this long is taken for gone (a paused VM, a long fork, a partition:
+# a stopped process whose connections stay open), and the connection is made again, through Sentinel to the master
+# it names now. A live server answers in milliseconds, one stalled behind an fsync in well under a second.
+REPLY_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0
 # An error from a server that is no longer the master (it refuses writes without its replicas): a stale
 # connection across a failover, to drop like READONLY.
 NOREPLICAS = "NOREPLICAS"
@@ -164,7 +169,7 @@ def newest_master(sentinels: list[redis.Redis], name: str) -> tuple[str, int] | 
             answers.append(_asking(sentinel, name).execute())
         except _NO_ANSWER:
             continue
-    return _newest(answers)
+    return _learnt(sentinels, name, _newest(answers))
 
 
 async def async_newest_master(sentinels: list[aioredis.Redis], name: str) -> tuple[str, int] | None:
@@ -175,7 +180,33 @@ async def async_newest_master(sentinels: list[aioredis.Redis], name: str) -> tup
             answers.append(await _asking(sentinel, name).execute())
         except _NO_ANSWER:
             continue
-    return _newest(answers)
+    return _learnt(sentinels, name, _newest(answers))
+
+
+# The newest master each Sentinel-monitored service was found at by this process, with its config epoch: when one
+# connection finds a new master, every other connection to the old one is dropped before its next command
+# (MasterConnection), instead of each waiting out REPLY_TIMEOUT_S on a master that stopped answering.
+_known: dict[tuple, tuple[int, tuple[str, int]]] = {}
+
+
+def _service(sentinels: list, name: str) -> tuple:
+    return name, frozenset((s.connection_pool.connection_kwargs.get("host"),
+                            s.connection_pool.connection_kwargs.get("port")) for s in sentinels)
+
+
+def _learnt(sentinels: list, name: str, newest: tuple[int, tuple[str, int]] | None) -> tuple[str, int] | None:
+    if newest is None:
+        return None
+    key = _service(sentinels, name)
+    if key not in _known or newest[0] >= _known[key][0]:
+        _known[key] = newest
+    return newest[1]
+
+
+def known_master(sentinels: list, name: str) -> tuple[str, int] | None:
+    """The newest master this process has found for service `name` of `sentinels`; None before any."""
+    known = _known.get(_service(sentinels, name))
+    return known and known[1]
 
 
 def _asking(sentinel, name: str):
@@ -187,7 +218,8 @@ def _asking(sentinel, name: str):
     return ask
 
 
-def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[str, int] | None:
+def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[int, tuple[str, int]] | None:
+    """(config epoch, address) of the newest master among the Sentinels' `answers`; None while one promotes."""
     newest = None
     for state, address in answers:
         if address is None:
@@ -198,7 +230,7 @@ def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[str, int] | None:
             return None
         if newest is None or state["config-epoch"] > newest[0]:
             newest = (state["config-epoch"], address)
-    return newest and newest[1]
+    return newest
 
 
 def _not_found(name: str, sentinels: list) -> MasterNotFoundError:
@@ -207,9 +239,11 @@ def _not_found(name: str, sentinels: list) -> MasterNotFoundError:
 
 
 class MasterConnection(SentinelManagedConnection):
-    """A connection to the master Sentinel names that also drops itself on NOREPLICAS: a server cut off from
-    its replicas (a stopped and resumed old master, before Sentinel demotes it) refuses writes with it, and the
-    next connection goes to the master Sentinel names now. A new connection writes once before it is used: to a
+    """A connection to the master Sentinel names that also drops itself on NOREPLICAS (a server cut off from
+    its replicas, a stopped and resumed old master before Sentinel demotes it, refuses writes with it) and, before
+    a command, when another connection of the process has found a newer master (known_master): a frozen master
+    keeps its connections open and answers nothing, and each would wait REPLY_TIMEOUT_S to learn it alone. The
+    next connection goes to the master Sentinel names now (a ConnectionError, which callers retry). A new connection writes once before it is used: to a
     server that refuses writes (not the master yet, or just promoted and not yet followed by a replica), it
     fails as connecting fails, and the caller's connect retries (kombu's publish policy, redis-py's backoff)
     wait for the master to take writes; a command failing on a connection that was made is retried once only
@@ -247,23 +281,33 @@ class MasterConnection(SentinelManagedConnection):
                 pool.disconnect(inuse_connections=False)
         return address
 
+    def send_packed_command(self, *args, **kwargs):
+        if self._sock and self.connection_pool.is_master:
+            known = known_master(self.connection_pool.sentinel_manager.sentinels, self.connection_pool.service_name)
+            if known not in (None, (self.host, self.port)):
+                self._drop(f"Sentinel names {known[0]}:{known[1]} the master now")
+        return super().send_packed_command(*args, **kwargs)
+
     def read_response(self, *args, **kwargs):
         try:
             response = super().read_response(*args, **kwargs)
         except redis.ResponseError as exc:
             if self.connection_pool.is_master and _refused(exc):
-                self._drop(exc)
+                self._drop(_REFUSED.format(exc), exc)
             raise
         if self.connection_pool.is_master and isinstance(response, list):  # EXEC's replies come as values
             refused = next((r for r in response if _refused(r)), None)
             if refused is not None:
-                self._drop(refused)
+                self._drop(_REFUSED.format(refused), refused)
         return response
 
-    def _drop(self, exc: Exception):
+    def _drop(self, why: str, cause: Exception | None = None):
         self.disconnect()
-        raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc}): not the master any more, or "
-                                    "without a replica") from exc
+        raise redis.ConnectionError(f"{self.host}:{self.port} left: {why}") from cause
+
+
+# Why a server that refused a write with NOREPLICAS is left.
+_REFUSED = "it refuses writes ({}): not the master any more, or without a replica"
 
 
 def _refused(reply) -> bool:
@@ -301,26 +345,35 @@ class AsyncMasterConnection(async_sentinel.SentinelManagedConnection):
             await pool.disconnect(inuse_connections=False)
         return address
 
+    async def send_packed_command(self, *args, **kwargs):
+        if self.is_connected and self.connection_pool.is_master:
+            known = known_master(self.connection_pool.sentinel_manager.sentinels, self.connection_pool.service_name)
+            if known not in (None, (self.host, self.port)):
+                await self._drop(f"Sentinel names {known[0]}:{known[1]} the master now")
+        return await super().send_packed_command(*args, **kwargs)
+
     async def read_response(self, *args, **kwargs):
         try:
             response = await super().read_response(*args, **kwargs)
         except redis.ResponseError as exc:
             if self.connection_pool.is_master and _refused(exc):
-                await self._drop(exc)
+                await self._drop(_REFUSED.format(exc), exc)
             raise
         if self.connection_pool.is_master and isinstance(response, list):
             refused = next((r for r in response if _refused(r)), None)
             if refused is not None:
-                await self._drop(refused)
+                await self._drop(_REFUSED.format(refused), refused)
         return response
 
-    async def _drop(self, exc: Exception):
+    async def _drop(self, why: str, cause: Exception | None = None):
         await self.disconnect()
-        raise redis.ConnectionError(f"{self.host}:{self.port} refuses writes ({exc})") from exc
+        raise redis.ConnectionError(f"{self.host}:{self.port} left: {why}") from cause
 
 
 def client(url: str, **kwargs) -> redis.Redis:
-    """A redis-py client of the Redis `url` names; `kwargs` as for redis.Redis (timeouts, retry, ...)."""
+    """A redis-py client of the Redis `url` names; `kwargs` as for redis.Redis (retry, ...), the timeouts
+    REPLY_TIMEOUT_S and CONNECT_TIMEOUT_S unless given."""
+    kwargs = {"socket_timeout": REPLY_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S, **kwargs}
     target = parse(url)
     if not target.is_sentinel:
         return redis.Redis.from_url(url, **kwargs)
@@ -331,7 +384,9 @@ def client(url: str, **kwargs) -> redis.Redis:
 
 def async_client(url: str, max_connections: int, **kwargs) -> aioredis.Redis:
     """A redis.asyncio client of `url` with at most `max_connections` connections; a single server's pool makes a
-    caller wait for a free connection (`timeout` s), a Sentinel master's fails at once when all are busy."""
+    caller wait for a free connection (`timeout` s), a Sentinel master's fails at once when all are busy. The
+    timeouts REPLY_TIMEOUT_S and CONNECT_TIMEOUT_S unless given."""
+    kwargs = {"socket_timeout": REPLY_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S, **kwargs}
     target = parse(url)
     if not target.is_sentinel:
         return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
@@ -345,7 +400,7 @@ def async_client(url: str, max_connections: int, **kwargs) -> aioredis.Redis:
 def outage_tolerant(url: str, outage_s: int):
     """A Redis client that rides out a Redis outage of up to about `outage_s` seconds (a restart: ~6 s) by
     retrying, instead of failing the request it is serving."""
-    # Retries 1 s apart once the backoff has grown (the first few are quicker).
-    return client(url, socket_connect_timeout=5, socket_timeout=30,
-                  retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), outage_s + 5),
+    # Retries 1 s apart once the backoff has grown (the first few are quicker); each on a new connection, which asks
+    # Sentinel for the master: a frozen one is left REPLY_TIMEOUT_S after it stops answering.
+    return client(url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), outage_s + 5),
                   retry_on_error=[redis.ConnectionError, redis.TimeoutError])

@@ -9,8 +9,8 @@ from .errors import (FetchError, GroupLost, ImageInputError, InvalidRequest, Mes
                      StoreError)
 from .records import READY, Phase, Progress, ReplicaInfo, RequestState, Result
 from .request import (DEFAULTS, FIELDS, MAX_FPS, MAX_FRAMES, MAX_STEPS, REFERENCE_SIZE, REFERENCE_WORK,
-                      SCHEDULING_FIELDS, WEBHOOK_FIELDS, Accepts, GenerateRequest, Quality, input_key, parse_size,
-                      split_refusal, validate_request)
+                      SCHEDULING_FIELDS, WEBHOOK_FIELDS, Accepts, GenerateRequest, Quality, decode_json, input_key,
+                      parse_size, split_refusal, validate_request)
 from .scheduling import TENANT_RE, Priority, Scheduling, check_priority, check_tenant, check_user, queue_lists
 from .webhook import Event, Webhook, tenant_secret
 
@@ -19,5 +19,5 @@ __all__ = ["DEFAULTS", "FIELDS", "MAX_FPS", "MAX_FRAMES", "MAX_STEPS", "READY", 
            "GroupLost", "ImageInputError", "InvalidRequest", "MessageRefused", "ModelLoadError", "OutOfMemory",
            "Phase", "PoisonRequest", "Priority", "Progress", "Quality", "RedisURLError", "ReplicaDPError",
            "ReplicaInfo", "RequestCancelled", "RequestIdConflict", "RequestState", "Result", "Scheduling",
-           "StoreError", "Webhook", "check_priority", "check_tenant", "check_user", "input_key", "keys",
+           "StoreError", "Webhook", "check_priority", "check_tenant", "check_user", "decode_json", "input_key", "keys",
            "parse_size", "queue_lists", "split_refusal", "tenant_secret", "validate_request"]

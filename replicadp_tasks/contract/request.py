@@ -193,7 +193,7 @@ def _float(field: str, value, lo: float, hi: float) -> float:
         _fail(field, value, "must be a finite number")
     if not lo <= value <= hi:
         _fail(field, value, f"must be between {lo} and {hi}")
-    return float(value)
+    return float(value) + 0.0  # -0.0 is 0.0: one number, one identity (input_key's JSON would tell them apart)
 
 
 # C0 control characters (and DEL) other than tab and newlines: never part of a prompt, often an attack on logs
@@ -212,6 +212,66 @@ def _text(field: str, value, max_chars: int, required: bool) -> str:
     if len(value) > max_chars:
         _fail(field, value, f"is {len(value)} characters long; the limit is {max_chars}")
     return value
+
+
+# A JSON value a request carries in a text field (the gateway's `loras`) is decoded only within these bounds: the
+# decoder recurses once per nested list or object, and a deep enough one exhausts it (RecursionError).
+MAX_JSON_DEPTH = 8
+MAX_JSON_NUMBER_CHARS = 32  # a number longer than this is no scale or count: refused before converting it
+
+
+def decode_json(field: str, text: str, max_chars: int | None) -> object:
+    """`text`, the JSON a request carries in `field`, decoded within bounds: at most `max_chars` characters (None:
+    any), MAX_JSON_DEPTH nested lists or objects, no key given twice in an object (which would silently keep the
+    last), no NaN or infinite number, no number of more than MAX_JSON_NUMBER_CHARS characters. InvalidRequest
+    naming the field otherwise, never another error."""
+    if not isinstance(text, str):
+        _fail(field, text, f"must be JSON text, got {type(text).__name__}")
+    if max_chars is not None and len(text) > max_chars:
+        _fail(field, text, f"is {len(text)} characters long; the limit is {max_chars}")
+
+    def pairs(items: list) -> dict:
+        keys = [k for k, _ in items]
+        twice = next((k for k in keys if keys.count(k) > 1), None)
+        if twice is not None:
+            raise ValueError(f"key {twice!r} given twice")
+        return dict(items)
+
+    def number(kind):
+        def parse(digits: str):
+            if len(digits) > MAX_JSON_NUMBER_CHARS:
+                raise ValueError(f"a number of {len(digits)} characters")
+            value = kind(digits)
+            if not math.isfinite(value):
+                raise ValueError(f"{digits} is not a finite number")
+            return value
+        return parse
+
+    def constant(name: str):
+        raise ValueError(f"{name} is not a number JSON allows")
+
+    try:
+        value = json.loads(text, object_pairs_hook=pairs, parse_int=number(int), parse_float=number(float),
+                           parse_constant=constant)
+    except RecursionError:
+        _fail(field, text, f"nests lists or objects deeper than {MAX_JSON_DEPTH}")
+    except ValueError as exc:  # json's own errors are ValueErrors too
+        _fail(field, text, f"is not JSON within bounds: {exc}")
+    if json_depth(value) > MAX_JSON_DEPTH:
+        _fail(field, text, f"nests lists or objects deeper than {MAX_JSON_DEPTH}")
+    return value
+
+
+def json_depth(value) -> int:
+    """How deep `value`'s lists and objects nest (0 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tuple[str, float | None], ...]:
@@ -238,7 +298,7 @@ def check_loras(value, registered: dict[str, float] | None = None) -> tuple[tupl
             _fail("loras", scale, f"a scale must be a number from -{MAX_SCALE:g} to {MAX_SCALE:g}")
         if scale is None and registered is not None:
             scale = registered[name]
-        pairs[name] = None if scale is None else float(scale)
+        pairs[name] = None if scale is None else float(scale) + 0.0  # -0.0 is 0.0, as _float says
     return tuple(sorted(pairs.items()))
 
 

@@ -38,6 +38,9 @@ log = logging.getLogger("replicadp")
 STORE_SWEEP_S = 300  # how often the output store is swept of what is older than REPLICADP_STORE_TTL (hours, a day)
 S3_MAX_URL_TTL_S = 7 * 86400  # SigV4, the signature of presigned URLs, refuses a longer lifetime
 S3_DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
+# The user metadata (x-amz-meta-replicadp) of every object the S3 store writes, and the only objects its sweep
+# removes: a name that looks like the store's is not proof (a bucket's `<prefix>package.json`).
+S3_TAG = "replicadp"
 # The names the folder and S3 stores write, and the only ones their sweeps remove: a folder or prefix may hold
 # other files (an OUTPUT_DIR of `.`), and those are never touched. `<request_id>.<write id>.mp4`, a write id being
 # uuid4().hex; a folder's temp files and sweep claims have a prefix of their own, never a user's dotfile.
@@ -317,7 +320,7 @@ class S3Store:
             try:
                 self.client.put_object(Bucket=self.bucket, Key=self._meta_key(request_id),
                                        Body=json.dumps(meta).encode(), ContentType="application/json",
-                                       IfNoneMatch="*")
+                                       Metadata={S3_TAG: "result"}, IfNoneMatch="*")
                 return True
             except ClientError as exc:
                 if _error_code(exc) == "PreconditionFailed":  # another write's JSON is there
@@ -335,7 +338,8 @@ class S3Store:
         video_key = f"{self.prefix}{request_id}.{uuid.uuid4().hex}.mp4"
         meta = {**meta, "video_uri": f"s3://{self.bucket}/{video_key}"}
         try:
-            self.client.put_object(Bucket=self.bucket, Key=video_key, Body=video, ContentType="video/mp4")
+            self.client.put_object(Bucket=self.bucket, Key=video_key, Body=video, ContentType="video/mp4",
+                                   Metadata={S3_TAG: "video"})
             won = self._put_meta_if_absent(request_id, meta)
             if not won:  # its MP4 is nobody's
                 self.client.delete_object(Bucket=self.bucket, Key=video_key)
@@ -355,17 +359,27 @@ class S3Store:
         except (ClientError, BotoCoreError) as exc:
             raise StoreError(f"cannot delete {request_id} from {self._where()}: {exc}") from exc
 
+    def _written_here(self, key: str) -> bool:
+        """Whether the object at `key` carries the store's own metadata (S3_TAG): it wrote it."""
+        try:
+            return S3_TAG in self.client.head_object(Bucket=self.bucket, Key=key).get("Metadata", {})
+        except ClientError as exc:
+            if _error_code(exc) in ("404", "NoSuchKey"):  # removed since the listing
+                return False
+            raise
+
     def sweep(self, cutoff: float) -> int:
         """Remove the pairs, and MP4s no JSON names, written under the prefix before `cutoff` (unix seconds);
-        metadata first, as in `delete`. Only keys of the store's own names right under the prefix: other objects
-        there, and deeper "folders", are never touched. Returns how many objects it removed."""
+        metadata first, as in `delete`. Only objects this store wrote (their S3_TAG metadata, read with a HEAD each)
+        under its own names right under the prefix: other objects there, and deeper "folders", are never touched.
+        Returns how many objects it removed."""
         old = {"json": [], "mp4": []}
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
                 for obj in page.get("Contents", []):
                     name = obj["Key"][len(self.prefix):]
                     kind = "json" if _RESULT_NAME.fullmatch(name) else "mp4" if _VIDEO_NAME.fullmatch(name) else None
-                    if kind and obj["LastModified"].timestamp() < cutoff:
+                    if kind and obj["LastModified"].timestamp() < cutoff and self._written_here(obj["Key"]):
                         old[kind].append(obj["Key"])
             for keys in (old["json"], old["mp4"]):
                 for start in range(0, len(keys), S3_DELETE_BATCH):

@@ -50,11 +50,13 @@ class Finishing(ReplicaDPError, Ignore):
 
 
 class Exit(IntEnum):
-    """The exit status of a pool child that ends so that its request is requeued."""
+    """The exit status of a pool child that ends so that its request is requeued; and of a replica that cannot
+    load its model (or its store), which restarting would not mend."""
 
     FENCED_OUT = 75  # its delivery lost the request's fence to another (EX_TEMPFAIL)
     GROUP_LOST = 76  # its multi-process group of ranks broke (errors.GroupLost)
     UNANSWERED = 77  # its finisher could not write a request's answer
+    CONFIG = 78  # the replica cannot load what it is configured to serve (EX_CONFIG): worker.py, worker_launch.sh
 
 
 def exit_process(status: Exit, why: str) -> NoReturn:
