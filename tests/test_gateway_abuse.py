@@ -284,3 +284,33 @@ def test_a_keyless_gateway_sees_no_keyed_job_and_status_names_only_ones_own(redi
             keyed.client.delete(f"/v1/videos/{job}", headers=auth)
     finally:
         group.stop()
+
+
+def test_a_fault_in_the_gateway_and_a_redis_failure_answer_json_with_the_headers_and_no_address():
+    """The two answers no input should reach, from the gateway's own app in this process (two routes added that
+    raise): a fault is a 500 in OpenAI's error object with the security headers (Starlette's own was plain text
+    without them) and no traceback; a Redis failure is a 503 that names the kind of failure, not the server's
+    address (redis-py's message has it: the deployment's business, not the caller's)."""
+    from fastapi.testclient import TestClient
+
+    from client.http.app import create_app
+
+    app = create_app()
+
+    @app.get("/v1/fault")
+    def fault():
+        raise RuntimeError("a bug, with internals: /srv/secret")
+
+    @app.get("/v1/redis-down")
+    def redis_down():
+        raise redis.ConnectionError("Error 111 connecting to 10.20.30.40:6379. Connection refused.")
+
+    client = TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False)  # no lifespan: no Redis
+    broken = client.get("/v1/fault")
+    assert broken.status_code == 500 and broken.json()["error"]["code"] == "internal_error", broken.text
+    assert "/srv/secret" not in broken.text and "Traceback" not in broken.text
+    assert broken.headers["x-content-type-options"] == "nosniff" and broken.headers["referrer-policy"] == "no-referrer"
+    down = client.get("/v1/redis-down")
+    assert down.status_code == 503 and down.json()["error"]["code"] == "redis_unavailable", down.text
+    assert "10.20.30.40" not in down.text and "ConnectionError" in down.text
+    assert down.headers["x-content-type-options"] == "nosniff"
