@@ -2,8 +2,8 @@
 --parallel) and Redis are killed at random moments, replicas are stopped (SIGSTOP, then SIGCONT: a frozen or
 partitioned host) and malformed messages are pushed onto the queue; with --ha, a Redis that fails over instead
 of one server, whose primary is killed, stopped until Sentinel promotes another, or frozen for a set time (a
-paused VM, a partition), and whose Sentinels are killed. Prints requests submitted / completed / failed / lost / computed more than once, and the recovery time
-of each kind of fault (median and max); writes JSON.
+paused VM, a partition), and whose Sentinels are killed. Prints requests submitted / completed / failed / lost /
+computed more than once, and the recovery time of each kind of fault (median and max); writes JSON.
 
     .venv/bin/python bench/chaos.py --replicas 3 --requests 60 --out bench-results/chaos.json
     .venv/bin/python bench/chaos.py --replicas 2 --parallel ulysses:2 --faults follower,child,redis \
@@ -53,7 +53,8 @@ from replicadp_tasks.settings import SETTINGS  # noqa: E402
 
 FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower",
           "primary-kill", "primary-stop", "primary-freeze", "sentinel-kill")
-HA_FAULTS = ("primary-kill", "primary-stop", "primary-freeze", "sentinel-kill")  # of the HA stack (--ha), which the others are not
+# Of the HA stack (--ha), which the others are not.
+HA_FAULTS = ("primary-kill", "primary-stop", "primary-freeze", "sentinel-kill")
 PROMOTION_WAIT_S = 30.0  # primary-stop: the primary stays stopped until Sentinel promotes another, at most this
 # Messages that each crashed a replica's main process, looped its consumer or were never answered, before
 # replicas checked what they pop (replicadp_tasks/broker/message.py).
@@ -310,7 +311,8 @@ def main(n, count, concurrency, size, num_frames, steps, interval, redis_down, s
     lost = count - sum(o.ok for o in outcomes) - len(failed)
     report = {
         "replicas": n, "parallel": parallel, "ha": ha, "requests": count, "size": f"{width}x{height}", "num_frames": num_frames, "steps": steps,
-        "interval_s": interval, "redis_down_s": redis_down, "freeze_s": freeze_s, "seed": seed, "elapsed_s": round(elapsed, 1),
+        "interval_s": interval, "redis_down_s": redis_down, "freeze_s": freeze_s, "seed": seed,
+        "elapsed_s": round(elapsed, 1),
         "submitted": count, "completed": sum(o.ok for o in outcomes), "failed": len(failed), "lost": lost,
         "computed_more_than_once": twice, "started_more_than_once": sum(s > 1 for s in starts.values()),
         "poison_pushed": sum(f["kind"] == "poison" for f in chaos.faults), "poison_refused": refused,

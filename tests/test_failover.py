@@ -1,8 +1,9 @@
 """A Redis that fails over (client/local/ha.py: a primary, two replicas, three Sentinels) under a batch of 40
 requests on two synthetic-backend replicas, half sent through a gateway and half by a Celery producer: the
 primary SIGKILLed, the primary SIGSTOPped until Sentinel promotes another and then resumed, the primary frozen
-(SIGSTOP) for longer than the failover, and a Sentinel SIGKILLed, each mid-batch (requests queued, running and finishing). Nothing is lost, nothing is computed twice,
-and the replicas and the gateway serve on through the new primary."""
+(SIGSTOP) for longer than the failover, and a Sentinel SIGKILLed, each mid-batch (requests queued, running and
+finishing). Nothing is lost, nothing is computed twice, and the replicas and the gateway serve on through the new
+primary."""
 
 import json
 import os

@@ -76,11 +76,15 @@ class Replicas:
         deadline = time.monotonic() + timeout
         want = set(self.names)
         while not want <= self.serving():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker_launch.sh exited ({self.proc.returncode}); see {self.log_path}:\n"
-                                   + tail(self.log_path))
+            # A replica's exit before the launcher's: the launcher reports it, and ends too once no replica is left
+            # to supervise (one that cannot load its model is not restarted). Its log is read after its poll: an
+            # ended launcher has written its line.
+            launcher = self.proc.poll()
             if self.exited_early():
                 raise RuntimeError(f"a replica exited before it served; see {self.log_path}:\n" + tail(self.log_path))
+            if launcher is not None:
+                raise RuntimeError(f"worker_launch.sh exited ({launcher}); see {self.log_path}:\n"
+                                   + tail(self.log_path))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not ready after {timeout:.0f} s; see {self.log_path}:\n" + tail(self.log_path))
             time.sleep(0.1)

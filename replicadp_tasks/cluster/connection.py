@@ -183,10 +183,12 @@ async def async_newest_master(sentinels: list[aioredis.Redis], name: str) -> tup
     return _learnt(sentinels, name, _newest(answers))
 
 
-# The newest master each Sentinel-monitored service was found at by this process, with its config epoch: when one
-# connection finds a new master, every other connection to the old one is dropped before its next command
-# (MasterConnection), instead of each waiting out REPLY_TIMEOUT_S on a master that stopped answering.
-_known: dict[tuple, tuple[int, tuple[str, int]]] = {}
+# The master each Sentinel-monitored service was last found at by this process: when one connection finds a new
+# master, every other connection to the old one is dropped before its next command (MasterConnection), instead of
+# each waiting out REPLY_TIMEOUT_S on a master that stopped answering. The last answer, not the highest epoch: a
+# deployment made again on the same Sentinel addresses starts its epochs anew, and a late, older answer costs a
+# reconnect, which asks again.
+_known: dict[tuple, tuple[str, int]] = {}
 
 
 def _service(sentinels: list, name: str) -> tuple:
@@ -194,19 +196,15 @@ def _service(sentinels: list, name: str) -> tuple:
                             s.connection_pool.connection_kwargs.get("port")) for s in sentinels)
 
 
-def _learnt(sentinels: list, name: str, newest: tuple[int, tuple[str, int]] | None) -> tuple[str, int] | None:
-    if newest is None:
-        return None
-    key = _service(sentinels, name)
-    if key not in _known or newest[0] >= _known[key][0]:
-        _known[key] = newest
-    return newest[1]
+def _learnt(sentinels: list, name: str, address: tuple[str, int] | None) -> tuple[str, int] | None:
+    if address is not None:
+        _known[_service(sentinels, name)] = address
+    return address
 
 
 def known_master(sentinels: list, name: str) -> tuple[str, int] | None:
-    """The newest master this process has found for service `name` of `sentinels`; None before any."""
-    known = _known.get(_service(sentinels, name))
-    return known and known[1]
+    """The master this process last found for service `name` of `sentinels` (newest_master); None before any."""
+    return _known.get(_service(sentinels, name))
 
 
 def _asking(sentinel, name: str):
@@ -218,8 +216,7 @@ def _asking(sentinel, name: str):
     return ask
 
 
-def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[int, tuple[str, int]] | None:
-    """(config epoch, address) of the newest master among the Sentinels' `answers`; None while one promotes."""
+def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[str, int] | None:
     newest = None
     for state, address in answers:
         if address is None:
@@ -230,7 +227,7 @@ def _newest(answers: list[tuple[dict, tuple | None]]) -> tuple[int, tuple[str, i
             return None
         if newest is None or state["config-epoch"] > newest[0]:
             newest = (state["config-epoch"], address)
-    return newest
+    return newest and newest[1]
 
 
 def _not_found(name: str, sentinels: list) -> MasterNotFoundError:
@@ -241,13 +238,13 @@ def _not_found(name: str, sentinels: list) -> MasterNotFoundError:
 class MasterConnection(SentinelManagedConnection):
     """A connection to the master Sentinel names that also drops itself on NOREPLICAS (a server cut off from
     its replicas, a stopped and resumed old master before Sentinel demotes it, refuses writes with it) and, before
-    a command, when another connection of the process has found a newer master (known_master): a frozen master
+    a command, when another connection of the process has found another master (known_master): a frozen master
     keeps its connections open and answers nothing, and each would wait REPLY_TIMEOUT_S to learn it alone. The
-    next connection goes to the master Sentinel names now (a ConnectionError, which callers retry). A new connection writes once before it is used: to a
-    server that refuses writes (not the master yet, or just promoted and not yet followed by a replica), it
-    fails as connecting fails, and the caller's connect retries (kombu's publish policy, redis-py's backoff)
-    wait for the master to take writes; a command failing on a connection that was made is retried once only
-    by kombu."""
+    next connection goes to the master Sentinel names now (a ConnectionError, which callers retry). A new
+    connection writes once before it is used: to a server that refuses writes (not the master yet, or just
+    promoted and not yet followed by a replica), it fails as connecting fails, and the caller's connect retries
+    (kombu's publish policy, redis-py's backoff) wait for the master to take writes; a command failing on a
+    connection that was made is retried once only by kombu."""
 
     def on_connect_check_health(self, *args, **kwargs):
         super().on_connect_check_health(*args, **kwargs)
