@@ -33,7 +33,9 @@ result_serializer = "json"
 accept_content = ["json"]
 result_accept_content = ["json"]
 
-# Every request goes to one shared queue that all replicas pull from.
+# Each request goes to its model's queue, which that model's replicas pull from (broker/routing.py); nothing is
+# sent to the default queue.
+task_routes = ("replicadp_tasks.broker.routing.route",)
 task_default_queue = _S.queue
 
 # One request at a time per replica (one GPU); prefork, not solo, so heartbeats, control commands,

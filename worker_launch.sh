@@ -7,6 +7,8 @@
 #   NUM_REPLICAS=2 DEVICES=cpu THREADS_PER_REPLICA=1 REPLICADP_MODEL=tiny ./worker_launch.sh
 #
 # NUM_REPLICAS         replicas to start (default 1)
+# FIRST_REPLICA        the first replica's number: replica<FIRST_REPLICA>@host, ... (default 0); a second launcher
+#                      on the host, for another model, numbers its replicas after the first one's
 # DEVICES              comma-separated GPU ids, or "cpu" (default: every GPU nvidia-smi lists, else cpu)
 # GPUS_PER_REPLICA     GPUs per replica; DEVICES must hold NUM_REPLICAS * GPUS_PER_REPLICA ids (default 1)
 # THREADS_PER_REPLICA  CPU threads per replica on cpu (default: cores / NUM_REPLICAS, at least 1)
@@ -16,6 +18,7 @@
 set -euo pipefail
 
 NUM_REPLICAS=${NUM_REPLICAS:-1}
+FIRST_REPLICA=${FIRST_REPLICA:-0}
 GPUS_PER_REPLICA=${GPUS_PER_REPLICA:-1}
 CELERY=${CELERY:-celery}
 
@@ -34,6 +37,7 @@ say() {
 die() { say ERROR "$*"; exit 2; }
 
 [[ $NUM_REPLICAS =~ ^[1-9][0-9]*$ ]] || die "NUM_REPLICAS=$NUM_REPLICAS: must be a positive integer"
+[[ $FIRST_REPLICA =~ ^(0|[1-9][0-9]*)$ ]] || die "FIRST_REPLICA=$FIRST_REPLICA: must be a number from 0"
 [[ $GPUS_PER_REPLICA =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_REPLICA=$GPUS_PER_REPLICA: must be a positive integer"
 
 if [[ -z ${DEVICES:-} ]]; then
@@ -104,13 +108,14 @@ stop() {
 trap stop INT TERM
 
 for (( i = 0; i < NUM_REPLICAS; i++ )); do
+  n=$(( FIRST_REPLICA + i ))
   if [[ $DEVICES == cpu ]]; then
     # An empty CUDA_VISIBLE_DEVICES hides every GPU: the replica runs on the CPU.
-    supervise "replica$i" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$THREADS_PER_REPLICA" \
-      REPLICADP_THREADS="$THREADS_PER_REPLICA" "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
+    supervise "replica$n" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$THREADS_PER_REPLICA" \
+      REPLICADP_THREADS="$THREADS_PER_REPLICA" "$CELERY" -A replicadp_tasks worker -n "replica$n@%h" "$@" &
   else
     mine=$(IFS=,; echo "${ids[*]:$(( i * GPUS_PER_REPLICA )):$GPUS_PER_REPLICA}")
-    supervise "replica$i" env CUDA_VISIBLE_DEVICES="$mine" "$CELERY" -A replicadp_tasks worker -n "replica$i@%h" "$@" &
+    supervise "replica$n" env CUDA_VISIBLE_DEVICES="$mine" "$CELERY" -A replicadp_tasks worker -n "replica$n@%h" "$@" &
   fi
   pids+=($!)
 done

@@ -47,9 +47,11 @@ from client.local.embedded import EmbeddedServer  # noqa: E402
 from client.local.ha import HAStack  # noqa: E402
 from client.local.replicas import Replicas  # noqa: E402
 from replicadp_tasks.cluster import connection, outage_tolerant  # noqa: E402
-from replicadp_tasks.contract import RequestState  # noqa: E402
+from replicadp_tasks.contract import RequestState, queue_for  # noqa: E402
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY, STATS_KEY  # noqa: E402
 from replicadp_tasks.settings import SETTINGS  # noqa: E402
+
+QUEUE = queue_for(SETTINGS.queue, "tiny")  # the queue of the model the chaos replicas serve
 
 FAULTS = ("child", "replica", "redis", "poison", "stop-main", "stop-child", "stop-both", "follower",
           "primary-kill", "primary-stop", "primary-freeze", "sentinel-kill")
@@ -84,7 +86,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def wait_serving(names: list[str], timeout: float = 120.0) -> int:
-    """How many of the replicas `names` consume the shared queue again, waiting up to `timeout` for all of them
+    """How many of the replicas `names` consume their model's queue again, waiting up to `timeout` for all of them
     (after the last fault, a replica may still be reloading its model)."""
     from replicadp_tasks import app
 
@@ -95,7 +97,7 @@ def wait_serving(names: list[str], timeout: float = 120.0) -> int:
                 replies = app.control.inspect(destination=names, timeout=2, connection=conn).active_queues() or {}
         except (redis.RedisError, OperationalError, OSError):
             replies = {}
-        serving = sum(any(q["name"] == SETTINGS.queue for q in replies.get(name) or []) for name in names)
+        serving = sum(any(q["name"] == QUEUE for q in replies.get(name) or []) for name in names)
         if serving == len(names) or time.monotonic() > deadline:
             return serving
         time.sleep(1)
@@ -186,7 +188,7 @@ class Chaos:
             self.server.wait_settled(60)
             return
         if kind == "poison":
-            self.client().lpush(SETTINGS.queue, self.rng.choice(POISON))
+            self.client().lpush(QUEUE, self.rng.choice(POISON))
             self.faults.append({"kind": kind, "at": time.time(), "task_id": None, "down_s": 0.0})
             return
         busy = running(self.client())

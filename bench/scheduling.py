@@ -52,13 +52,22 @@ def short(prompt: str, **fields) -> dict:
     return {"prompt": prompt, **SHAPE, "num_inference_steps": STEPS, **fields}
 
 
+def queue() -> str:
+    """The queue of the model the replicas up now serve (one at a time here: the deployment's default)."""
+    from client.api import model_for
+    from replicadp_tasks.contract import queue_for
+    from replicadp_tasks.settings import SETTINGS
+
+    return queue_for(SETTINGS.queue, model_for(None))
+
+
 def purge() -> None:
     """Drop what still waits (the backlog no one measures) and let the replicas finish what they run."""
     from replicadp_tasks.contract import queue_lists
     from replicadp_tasks.settings import SETTINGS
 
     client = connection.client(SETTINGS.redis_url)
-    client.delete(*queue_lists(SETTINGS.queue))
+    client.delete(*queue_lists(queue()))
     time.sleep(2.0)
 
 
@@ -94,7 +103,7 @@ def phase_interactive(n: int, gap: float) -> dict:
     arrivals = []
     began = time.time()
     for i in range(ARRIVALS):
-        waiting, _ = next_request(client, SETTINGS.queue)  # under fifo, all in one list
+        waiting, _ = next_request(client, queue())  # under fifo, all in one list
         for _ in range(BACKLOG - sum(waiting.values())):
             generate.apply_async(kwargs=short(f"backlog {sent}", priority="batch"))
             sent += 1
@@ -102,7 +111,7 @@ def phase_interactive(n: int, gap: float) -> dict:
         time.sleep(gap)
     waits = [r.get(timeout=600)["timings"]["queued_s"] for r in arrivals]
     # One request's duration as the replicas lived it: in-task time plus dispatch, encoding, storing, acking.
-    served = sent + ARRIVALS - sum(next_request(client, SETTINGS.queue)[0].values()) - n
+    served = sent + ARRIVALS - sum(next_request(client, queue())[0].values()) - n
     service_s = n * (time.time() - began) / served
     purge()
     return {"waits_s": waits, "service_s": service_s}

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import queue
 import time
@@ -20,7 +21,8 @@ from celery import Celery
 
 from replicadp_tasks import app, generate
 from replicadp_tasks.app import check_one_redis
-from replicadp_tasks.broker import transport_for
+from replicadp_tasks.broker import ModelRouter, fleet, transport_for
+
 from replicadp_tasks.cluster import connection, heartbeat, redacted, replication
 from replicadp_tasks.contract import InvalidRequest, RequestState, Result, keys
 from replicadp_tasks.outputs import delete_stored, fetch_video as _fetch, with_video_url
@@ -105,7 +107,7 @@ def _app_for(url: str) -> Celery:
     connection argument alone would not reach replicas on another server or DB."""
     other = Celery("replicadp", set_as_current=False)
     other.config_from_object("celeryconfig")
-    other.conf.update(_on(url))
+    other.conf.update(_on(url), task_routes=(ModelRouter(other),))  # the models declared on its Redis
     return other
 
 
@@ -115,11 +117,23 @@ def redis_client(url: str, timeout: float) -> redis.Redis:
     return connection.client(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
-def live_replicas(timeout: float = 1.0, url: str | None = None) -> list[str]:
-    """Replicas that hold their model and consume the shared queue (on `url`, default this app's Redis): those
-    whose serving heartbeat is fresher than REPLICADP_REPLICA_STALE (heartbeat.py). One read; `timeout`: seconds
-    to wait for Redis."""
-    return heartbeat.read(redis_client(url or redis_url(), timeout), SETTINGS.replica_stale_s).serving
+def live_replicas(timeout: float = 1.0, url: str | None = None, model: str | None = None) -> list[str]:
+    """Replicas that hold their model and consume its queue (on `url`, default this app's Redis): those whose
+    serving heartbeat is fresher than REPLICADP_REPLICA_STALE (heartbeat.py); `model`: only its replicas. One read
+    (two with a model); `timeout`: seconds to wait for Redis."""
+    client = redis_client(url or redis_url(), timeout)
+    serving = heartbeat.read(client, SETTINGS.replica_stale_s).serving
+    if model is None or not serving:
+        return serving
+    infos = client.mget([keys.REPLICA_KEY + name for name in serving])
+    return [name for name, info in zip(serving, infos) if info and json.loads(info).get("model") == model]
+
+
+def model_for(asked: str | None) -> str:
+    """The model a request naming `asked` (None: none) runs on: the deployment's default for None. InvalidRequest
+    naming `model` and the served ones for a model the deployment does not serve, or when none is named and it
+    serves several."""
+    return fleet(app).choose(asked)
 
 
 def fetch_video(result: dict) -> bytes:

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from replicadp_tasks import app
-from replicadp_tasks.contract import READY, Phase, RequestState, Result, keys, queue_lists
+from replicadp_tasks.cluster import fleet
+from replicadp_tasks.contract import READY, Phase, RequestState, Result, keys, queue_for, queue_lists
 from replicadp_tasks.settings import SETTINGS
 
 from .api import (ClientError, Outcome, cancel_request, check_redis, error_message, fetch_video, live_replicas,
@@ -46,14 +47,19 @@ class RequestStatus(TypedDict):
     error: str | None  # failed
 
 
+def need_a_replica(model: str | None = None) -> None:
+    """ClientError unless a replica (of `model`, if given) is live."""
+    if not live_replicas(model=model):
+        raise ClientError(f"no live replica{'' if model is None else f' of {model!r}'} on {redacted(redis_url())}: "
+                          "start some with `replicadp up` or worker_launch.sh")
+
+
 def generate_one(request: dict, *, timeout: float, output: Path | None, err: Console) -> Outcome:
     """Send `request` to the live replicas and wait for it, with a bar over its denoising steps on `err`; write
     its MP4 to `output`. A request that times out or is interrupted is cancelled: nobody would collect it.
     ClientError when Redis is unreachable or no replica is live."""
     check_redis()
-    if not live_replicas():
-        raise ClientError(f"no live replica on {redacted(redis_url())}: start some with `replicadp up` or "
-                          "worker_launch.sh")
+    need_a_replica(request.get("model"))
     sent: list[str] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
@@ -107,7 +113,8 @@ def _carries(raw: bytes, task_id: str, wrapped: bool) -> bool:
 def _waiting(task_id: str) -> bool:
     """Whether `task_id`'s message is in the queue, or delivered to a replica and not yet acknowledged."""
     client = app.backend.client
-    lists = [client.lrange(key, 0, -1) for key in queue_lists(SETTINGS.queue)]
+    queues = [queue_for(SETTINGS.queue, model) for model in fleet.declared(client)]
+    lists = [client.lrange(key, 0, -1) for queue in queues for key in queue_lists(queue)]
     return (any(_carries(raw, task_id, wrapped=False) for raws in lists for raw in raws)
             or any(_carries(raw, task_id, wrapped=True) for raw in client.hvals(keys.UNACKED_KEY)))
 

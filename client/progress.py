@@ -36,16 +36,18 @@ def flight_text(in_flight: list[InFlight]) -> str:
     return " ".join(f"[{f.replica or '?'} {phase_text(f)}]" for f in running[:4])
 
 
-def wait_for_replicas(timeout: float) -> list[str]:
-    """The live replicas, waiting up to `timeout` seconds for the first one; ClientError if none comes."""
-    live = live_replicas()
+def wait_for_replicas(timeout: float, model: str | None = None) -> list[str]:
+    """The live replicas (`model`: of that model), waiting up to `timeout` seconds for the first one; ClientError
+    if none comes."""
+    live = live_replicas(model=model)
+    of = "" if model is None else f" of {model!r}"
     if not live:
-        console.print(f"[yellow]no live replica yet; waiting up to {timeout:.0f} s (start some with worker_launch.sh "
-                      "or `replicadp up`)[/yellow]")
+        console.print(f"[yellow]no live replica{of} yet; waiting up to {timeout:.0f} s (start some with "
+                      "worker_launch.sh or `replicadp up`)[/yellow]")
         deadline = time.monotonic() + timeout
         while not live and time.monotonic() < deadline:
             time.sleep(1.0)
-            live = live_replicas()
+            live = live_replicas(model=model)
         if not live:
-            raise ClientError(f"no live replica after {timeout:.0f} s")
+            raise ClientError(f"no live replica{of} after {timeout:.0f} s")
     return live

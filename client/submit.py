@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import json
 from pathlib import Path
+from typing import Callable
 
 from replicadp_tasks.contract import (DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, Accepts, InvalidRequest,
                                       validate_request)
 
-from .api import check_redis, fetch_video, run_requests
+from .api import check_redis, fetch_video, model_for, run_requests
 from .ops.status import live_accepted
 from .progress import console, flight_text, progress_bar, wait_for_replicas
 
@@ -71,9 +73,13 @@ def looks_like_json(line: str) -> bool:
     return False
 
 
-def read_batch(path: Path, defaults: dict | None = None, accepted: Accepts = Accepts()) -> list[tuple[int, dict]]:
-    """(line number, generate kwargs with a request_id) per request, `defaults` (priority, user) filling what a
-    line does not say, each checked against what the live replicas accept (`accepted`). JSONL when the first non-blank line
+def read_batch(path: Path, defaults: dict | None = None,
+               accepted: Callable[[str | None], tuple[str, Accepts]] = lambda model: (model, Accepts())
+               ) -> list[tuple[int, dict]]:
+    """(line number, generate kwargs with a request_id) per request, `defaults` (priority, user, model) filling what
+    a line does not say, each checked against what the live replicas of its model accept (`accepted(model)`: the
+    model's name, the line's or the default, and what they accept; InvalidRequest for a model not
+    served). JSONL when the first non-blank line
     starts with '{', else one prompt per line; a text batch with a line that looks like JSON is refused, not
     guessed at (a JSONL file whose first line lost its '{' would run its JSON as prompts). Every malformed line
     is reported before anything is sent."""
@@ -109,13 +115,19 @@ def read_batch(path: Path, defaults: dict | None = None, accepted: Accepts = Acc
             kwargs = {"prompt": line}
         kwargs = {**(defaults or {}), **kwargs}
         try:
-            # The replica checks again, and what its deployment allows a webhook.
-            validate_request(kwargs, accepted)
+            validate_request(kwargs)
         except InvalidRequest as exc:
             errors.append(f"line {n}: {exc}")
             continue
         kwargs.setdefault("request_id", request_id_for(kwargs))
         requests.append((n, kwargs))
+    if not errors:  # a well-formed file: each line against its model (the replica checks again, and its webhook)
+        for n, kwargs in requests:
+            try:
+                model, accepts = accepted(kwargs.get("model"))
+                validate_request({**kwargs, "model": model}, accepts)
+            except InvalidRequest as exc:
+                errors.append(f"line {n}: {exc}")
     if errors:
         raise BatchFileError(f"{path}: {len(errors)} malformed line(s):\n" + "\n".join(errors))
     seen: dict[str, int] = {}
@@ -157,9 +169,15 @@ def run_batch(file: Path, results: Path, *, concurrency: int, timeout: float, sa
               longest: bool = True, defaults: dict | None = None) -> int:
     """Run the requests of `file` that `results` does not record as completed, appending each outcome to
     `results` (and its video to `save_dir`) as it ends, with a progress bar; largest first unless not `longest`
-    (file order). `defaults` (priority, user) apply to the lines that do not set them. Returns how many
+    (file order). `defaults` (priority, user, model) apply to the lines that do not set them. Returns how many
     failed."""
-    batch = read_batch(file, defaults, live_accepted())
+    @functools.cache
+    def accepted(asked: str | None) -> tuple[str, Accepts]:
+        check_redis()
+        model = model_for(asked)
+        return model, live_accepted(model)
+
+    batch = read_batch(file, defaults, accepted)
     done = completed_ids(results)
     todo = [(n, kw) for n, kw in batch if kw["request_id"] not in done]
     if longest:
@@ -168,8 +186,8 @@ def run_batch(file: Path, results: Path, *, concurrency: int, timeout: float, sa
                   f"submitting {len(todo)}")
     if not todo:
         return 0
-    check_redis()
-    wait_for_replicas(timeout)
+    for model in sorted({model_for(kw.get("model")) for _, kw in todo}):
+        wait_for_replicas(timeout, model)
     failed = 0
     with progress_bar() as bar, open(results, "a") as out:
         task = bar.add_task("submit", total=len(todo), flight="")

@@ -20,7 +20,8 @@ from typing import Callable
 
 from .cluster.connection import REPLY_TIMEOUT_S, parse as parse_redis_url
 from .cluster.replication import Durability
-from .contract.errors import RedisURLError
+from .contract.errors import InvalidRequest, RedisURLError
+from .contract.models import check_model_name
 from .contract.scheduling import Scheduling
 from .logs import LogFormat
 from .model.layout import Layout
@@ -126,6 +127,18 @@ def networks(name: str, raw: str) -> tuple:
     return tuple(nets)
 
 
+def model_name(name: str, raw: str) -> str:
+    try:
+        return check_model_name(raw.strip(), name)
+    except InvalidRequest as exc:
+        raise SystemExit(f"replicadp: environment variable {exc}") from None
+
+
+def model_names(name: str, raw: str) -> tuple[str, ...]:
+    """Comma-separated model names, e.g. `tiny,tiny-a14b`."""
+    return tuple(dict.fromkeys(model_name(name, part) for part in raw.split(",") if part.strip()))
+
+
 def path(name: str, raw: str) -> Path:
     return Path(raw)
 
@@ -182,9 +195,22 @@ class Settings:
     model_cache: Path = setting(
         "REPLICADP_MODEL_CACHE", Path.home() / ".cache" / "replicadp" / "models",
         "Where `tiny` models are built on first use; shared by the replicas of a host.", path, empty=True)
+    served_model_name: str = setting(
+        "REPLICADP_SERVED_MODEL_NAME", lambda read: read["model"], "The name requests give for this replica's model "
+        "(`model`), which names its queue too: an alias for the spec (vLLM's --served-model-name). Replicas of one "
+        "checkpoint with other memory or speed options are one model; a checkpoint with adapters fused in is another "
+        "and needs a name of its own.", model_name, default_text="REPLICADP_MODEL")
+    models: tuple = setting(
+        "REPLICADP_MODELS", (), "Models the deployment serves although none of their replicas may have started yet "
+        "(comma-separated names): a request for one waits in its queue (an autoscaler starts a replica), one for a "
+        "model neither declared nor started is refused. A replica declares its own model when it starts.",
+        model_names)
+    default_model: str | None = setting(
+        "REPLICADP_DEFAULT_MODEL", None, "The model of a request that names none. Unset: the one model the "
+        "deployment serves; with several, such a request is refused naming them.", model_name)
     queue: str = setting(
-        "REPLICADP_QUEUE", "video",
-        "One shared queue that every replica pulls from: routing is work-conserving by construction.", empty=True)
+        "REPLICADP_QUEUE", "video", "The prefix of every model's queue (`video.<model>`): each model's replicas pull "
+        "from its own queue, so routing is work-conserving within each model.", empty=True)
     output_dir: Path = setting(
         "OUTPUT_DIR", lambda _: Path("outputs").resolve(),
         "The folder store's folder; absolute, so that video URIs mean the same to every process on the host.", folder,

@@ -2,11 +2,11 @@
 
 The main process would reserve a request as soon as it starts consuming, while its child is still
 loading the model, and the request would wait beside an idle, ready replica. So a replica starts on a
-private standby queue, and the child, once its model is resident, asks its own main process to consume the
-shared queue. When the child dies (killed, or past the hard time limit), the main
-process stops consuming the shared queue before it lets go of the request, and the replacement child
+private standby queue, and the child, once its model is resident, asks its own main process to consume its
+model's queue (MODEL_QUEUE: contract/models.py). When the child dies (killed, or past the hard time limit), the main
+process stops consuming that queue before it lets go of the request, and the replacement child
 opens it again once it has reloaded the model: meanwhile the request runs on a replica that is ready.
-Whether it consumes the shared queue, the main process tells producers through its heartbeat (cluster/heartbeat.py).
+Whether it consumes it, the main process tells producers through its heartbeat (cluster/heartbeat.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from .app import app
 from .broker import transport
 from .cluster.connection import outage_tolerant
 from .cluster.heartbeat import Heartbeat, Running
+from .cluster import fleet
 from .contract.keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
+from .contract.models import queue_for
 from .contract.records import ReplicaInfo
 from .model import open_pipeline
 from .model.devices import describe_device
@@ -50,6 +52,8 @@ from .replica.reporter import Reporter
 from .settings import SETTINGS
 
 log = logging.getLogger("replicadp")
+# The queue this replica takes requests from: its model's.
+MODEL_QUEUE = queue_for(SETTINGS.queue, SETTINGS.served_model_name)
 
 
 @dataclass
@@ -62,7 +66,7 @@ class MainProcess:
     load_failed: object = None  # a RawValue in shared memory, set by a pool child that cannot load its model
     worker: object = None  # Celery's WorkController, whose exitcode the process exits with
     keeper: Keeper | None = None  # the leases (replica/leases.py), ticking in a thread
-    consumer: object = None  # Celery's consumer, to stop consuming the shared queue
+    consumer: object = None  # Celery's consumer, to stop consuming its model's queue
     heartbeat: Heartbeat | None = None  # whether it serves (cluster/heartbeat.py), beating in a thread
     events: redis.Redis | None = None  # queues a failed request's webhook event; inherited by the pool children
 
@@ -106,10 +110,10 @@ def _stopping(**_):
 
 
 def _consuming() -> bool:
-    """Whether this replica takes requests from the shared queue now: not once it is stopping, nor while its
+    """Whether this replica takes requests from its model's queue now: not once it is stopping, nor while its
     consumer is being rebuilt (a broker reconnect). Read from the heartbeat's thread: lookups only."""
     tasks = getattr(MAIN.consumer, "task_consumer", None)
-    return not MAIN.stopping.value and tasks is not None and tasks.consuming_from(SETTINGS.queue)
+    return not MAIN.stopping.value and tasks is not None and tasks.consuming_from(MODEL_QUEUE)
 
 
 def _running() -> Running | None:
@@ -122,7 +126,8 @@ def _running() -> Running | None:
 @signals.worker_ready.connect
 def _beat(**_):
     """In the main process, once its consumer runs: the heartbeat that tells producers whether it serves."""
-    MAIN.heartbeat = Heartbeat(MAIN.name, SETTINGS.redis_url, SETTINGS.replica_stale_s, _consuming, _running).start()
+    MAIN.heartbeat = Heartbeat(MAIN.name, SETTINGS.redis_url, SETTINGS.replica_stale_s, _consuming, _running,
+                               SETTINGS.served_model_name, SETTINGS.queue).start()
 
 
 @signals.worker_shutdown.connect
@@ -269,12 +274,12 @@ class ReplicaRequest(Request):
 
 
 def _pause(why: str) -> None:
-    """In the main process: stop consuming the shared queue, before the lost request frees its prefetch slot
+    """In the main process: stop consuming its model's queue, before the lost request frees its prefetch slot
     (else this replica would take a request, maybe that very one, and hold it through the reload)."""
     if MAIN.consumer is not None:
         log.warning("replica %s stops taking requests until its pool child has reloaded the model: %s",
                     MAIN.name, why)
-        MAIN.consumer.cancel_task_queue(SETTINGS.queue)
+        MAIN.consumer.cancel_task_queue(MODEL_QUEUE)
 
 
 @signals.worker_process_shutdown.connect
@@ -300,7 +305,7 @@ def _end_attempt(why: str) -> None:
 
 @signals.worker_process_init.connect
 def _load_then_consume(**_):
-    """In the pool child: load the model, publish what this replica serves, then open the shared queue."""
+    """In the pool child: load the model, publish what this replica serves, then open its model's queue."""
     name, started = MAIN.name, time.time()  # the name: inherited from the main process at fork
     # 1. The model and the output store. A replica that cannot load them must not serve: it stops the whole worker,
     #    so that its supervisor sees the failure, instead of the pool restarting this child in a loop.
@@ -316,7 +321,7 @@ def _load_then_consume(**_):
         os._exit(Exit.CONFIG)
     # 2. The pool child's state, and its threads: the fence keeper, the reporter, the finisher.
     child.become(_pool_child(name, pipeline, store))
-    # 3. Publish what it serves, then consume the shared queue.
+    # 3. Publish what it serves, then consume its model's queue.
     info = _replica_info(name, pipeline, started)
     log.info("replica %s loaded %r on %s in %.1f s", name, SETTINGS.model, info["device"], info["load_s"])
     _publish_then_consume(name, info)
@@ -338,7 +343,8 @@ def _pool_child(name: str, pipeline, store) -> child.PoolChild:
 def _replica_info(name: str, pipeline, started: float) -> ReplicaInfo:
     """What this replica serves, as producers read it."""
     accepts, options = pipeline.accepts, pipeline.options
-    return ReplicaInfo(name=name, model=options.spec, device=describe_device(pipeline.device),
+    return ReplicaInfo(name=name, model=SETTINGS.served_model_name, checkpoint=options.spec,
+                       device=describe_device(pipeline.device),
                        size_multiple=accepts.size_multiple, accepts_image=bool(accepts.takes_image),
                        requires_image=accepts.requires_image, experts=accepts.experts, attention=options.attention,
                        compile=options.compile, deterministic=options.deterministic, qualities=list(accepts.qualities),
@@ -349,14 +355,16 @@ def _replica_info(name: str, pipeline, started: float) -> ReplicaInfo:
 
 def _publish_then_consume(name: str, info: ReplicaInfo) -> None:
     """Publish what this replica serves, then ask the main process, which answers control commands from its event
-    loop (it may not run yet), to consume the shared queue. Redis may be down or restarting: wait it out, on a
+    loop (it may not run yet), to consume its model's queue (declared with the models of REPLICADP_MODELS, which
+    the deployment serves too). Redis may be down or restarting: wait it out, on a
     fresh connection each time: Celery logs and drops an exception raised here, and the replica would never
     consume."""
     while not MAIN.stopping.value:
         with app.connection_for_write() as conn:
             try:
                 child.current().redis.set(REPLICA_KEY + name, json.dumps(info))
-                if app.control.add_consumer(SETTINGS.queue, destination=[name], reply=True, timeout=1.0,
+                fleet.declare(child.current().redis, (info["model"], *SETTINGS.models), SETTINGS.queue, name)
+                if app.control.add_consumer(MODEL_QUEUE, destination=[name], reply=True, timeout=1.0,
                                             connection=conn):
                     break
             except conn.connection_errors + conn.channel_errors + (OperationalError, OSError) as exc:

@@ -64,6 +64,7 @@ CLUSTER_FIXTURES = {"redis_db", "redis_server", "replicas", "tiny_model", "clean
 # The files that take minutes go to the xdist workers first, longest first (seconds measured in a `make test` run,
 # docs/testing.md), so that none of them starts last and keeps the run waiting on one worker.
 LONGEST_FIRST = ["test_faults.py", "test_failover.py", "test_layouts.py", "test_parallel.py", "test_isolation.py",
+                 "test_fleet.py",
                  "test_gpu_check.py", "test_adapters.py", "test_webhooks.py", "test_ui.py", "test_step_cache.py",
                  "test_cli.py", "test_ops.py", "test_http.py", "test_jobs.py", "test_embedded.py", "test_bench.py",
                  "test_hostile.py", "test_scheduling.py", "test_architectures.py", "test_stopped.py",
@@ -148,11 +149,12 @@ def model_cache(tiny_model):
     return tiny_model.parent
 
 
-def start_replicas(n: int, redis_url: str, name: str, model: str = "tiny", **env) -> Replicas:
-    """`n` replicas (one CPU thread each) of `model` on `redis_url`, started and serving; `env`: their settings."""
+def start_replicas(n: int, redis_url: str, name: str, model: str = "tiny", first: int = 0, **env) -> Replicas:
+    """`n` replicas (one CPU thread each) of `model` on `redis_url`, numbered from `first`, started and serving;
+    `env`: their settings."""
     if not _RUNNING["cluster"]:
         raise RuntimeError(f"replicas {name!r} started by a test not marked cluster: mark it @pytest.mark.cluster")
-    return Replicas(n, redis_url=redis_url, model=model, threads=1, env=env,
+    return Replicas(n, redis_url=redis_url, model=model, threads=1, env=env, first=first,
                     log_path=SESSION_DIR / "logs" / f"{name}.log").start(timeout=180)
 
 

@@ -9,7 +9,8 @@ import redis
 from celery import states
 
 from replicadp_tasks.broker import next_request
-from replicadp_tasks.contract import MAX_STEPS, REFERENCE_WORK, RequestState
+from replicadp_tasks.cluster import connection, fleet
+from replicadp_tasks.contract import MAX_STEPS, REFERENCE_WORK, RequestState, queue_for
 from replicadp_tasks.contract.keys import REPLICA_KEY
 from replicadp_tasks.model import ModelOptions
 from replicadp_tasks.settings import SETTINGS
@@ -31,9 +32,26 @@ def wait_for(predicate, what: str, timeout: float = 60.0, interval: float = 0.2)
         time.sleep(interval)
 
 
-def queue_depth(client: redis.Redis) -> int:
-    """Requests waiting in the shared queue, every priority."""
-    return sum(next_request(client, SETTINGS.queue)[0].values())
+def model_queue(model: str = "tiny") -> str:
+    """The queue of `model`'s requests."""
+    return queue_for(SETTINGS.queue, model)
+
+
+def queue_depth(client: redis.Redis, model: str = "tiny") -> int:
+    """Requests waiting for `model`, every priority."""
+    return sum(next_request(client, model_queue(model))[0].values())
+
+
+def declare(url: str, *models: str) -> None:
+    """Declare `models` on `url` (cluster/fleet.py), as a deployment's REPLICADP_MODELS does: requests for them are
+    queued while no replica of theirs is live."""
+    fleet.declare(connection.client(url), models, SETTINGS.queue, "a test")
+
+
+def declared(url: str, *models: str) -> str:
+    """`url`, with `models` declared on it."""
+    declare(url, *models)
+    return url
 
 
 def parent_of(pid: int) -> int:

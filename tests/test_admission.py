@@ -1,6 +1,6 @@
 """The HTTP front door's admission under a burst (issue #18): many requests at once, through one gateway or
 several on one Redis, get their normal answer or a 429 with Retry-After, never a 503 from a connection pool run
-dry, and the shared queue never holds more than --max-queue requests."""
+dry, and a model's queue never holds more than --max-queue requests."""
 
 import asyncio
 import threading
@@ -10,27 +10,26 @@ from contextlib import ExitStack, contextmanager
 import httpx
 import redis
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, queue_depth, wait_for
+from helpers import SYNTHETIC, lasting, model_queue, queue_depth, wait_for
 from test_http import SMALL, form_of, gateway, multipart
 
 from replicadp_tasks.contract.keys import ADMITTING_KEY, CANCEL_KEY
-from replicadp_tasks.settings import SETTINGS
 
 BURST = 200
 LIMIT = 5
 
 
 @contextmanager
-def queue_sampled(url: str):
-    """The largest queue length (LLEN) seen by a thread that reads it as fast as it can while the block runs,
-    and once more after it: `peak["max"]`, `peak["samples"]`."""
+def queue_sampled(url: str, model: str = "tiny"):
+    """The largest length of `model`'s queue (LLEN) seen by a thread that reads it as fast as it can while the
+    block runs, and once more after it: `peak["max"]`, `peak["samples"]`."""
     client = redis.Redis.from_url(url)
     peak = {"max": 0, "samples": 0}
     done = threading.Event()
 
     def poll():
         while not done.is_set():
-            peak["max"] = max(peak["max"], queue_depth(client))
+            peak["max"] = max(peak["max"], queue_depth(client, model))
             peak["samples"] += 1
 
     poller = threading.Thread(target=poll)
@@ -40,7 +39,7 @@ def queue_sampled(url: str):
     finally:
         done.set()
         poller.join()
-        peak["max"] = max(peak["max"], queue_depth(client))
+        peak["max"] = max(peak["max"], queue_depth(client, model))
 
 
 def burst(targets: list[tuple[str, str]], form: dict, timeout: float = 300) -> list[httpx.Response]:
@@ -90,7 +89,7 @@ def test_a_burst_of_sync_requests_gets_videos_or_429(redis_db):
     try:
         with gateway(url, "burst-sync", "--max-queue", str(LIMIT)) as gw:
             form = form_of(lasting(0.5, prompt="burst"))
-            with queue_sampled(url) as peak:
+            with queue_sampled(url, SYNTHETIC) as peak:
                 answers = burst([(gw.url, "/v1/videos/sync")] * BURST, form)
             counts = check_answers(answers, 200)
             assert counts[200] >= 1 and peak["max"] <= LIMIT and peak["samples"] > 10, (counts, peak)
@@ -147,9 +146,9 @@ def test_admitted_requests_not_yet_queued_count_and_expire(redis_db):
     with gateway(url, "reserved", "--max-queue", str(LIMIT)) as gw:
         seconds, micros = client.time()
         now = seconds + micros / 1e6
-        client.zadd(ADMITTING_KEY + SETTINGS.queue, {f"ghost-{i}": now for i in range(LIMIT)})
+        client.zadd(ADMITTING_KEY + model_queue(), {f"ghost-{i}": now for i in range(LIMIT)})
         refused = gw.client.post("/v1/videos", files=multipart(SMALL))
         assert refused.status_code == 429 and f"{LIMIT} requests are waiting" in refused.json()["error"]["message"]
-        client.zadd(ADMITTING_KEY + SETTINGS.queue, {f"ghost-{i}": now - ADMIT_STALE_S - 1 for i in range(LIMIT)})
+        client.zadd(ADMITTING_KEY + model_queue(), {f"ghost-{i}": now - ADMIT_STALE_S - 1 for i in range(LIMIT)})
         assert gw.client.post("/v1/videos", files=multipart(SMALL)).status_code == 200
-        assert client.zcard(ADMITTING_KEY + SETTINGS.queue) == 0 and queue_depth(client) == 1
+        assert client.zcard(ADMITTING_KEY + model_queue()) == 0 and queue_depth(client) == 1

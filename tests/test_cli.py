@@ -6,6 +6,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,9 +21,9 @@ from click.testing import CliRunner
 from client.api import _app_for, live_replicas
 from client.cli import main
 from client.local.embedded import EmbeddedServer
-from client.local.replicas import Replicas, plan, stop_group
+from client.local.replicas import Replicas, fleet_plan, plan, stop_group
 from conftest import SESSION_DIR, start_replicas
-from helpers import SYNTHETIC, lasting, wait_for
+from helpers import SYNTHETIC, declared, lasting, wait_for
 from replicadp_tasks.contract import RequestState
 from replicadp_tasks.app import redis_address
 from replicadp_tasks.cluster.heartbeat import Heartbeat
@@ -173,7 +174,7 @@ def test_get_and_cancel_a_queued_then_a_running_request(redis_db, tmp_path):
     """A request sent while no replica is live is `queued` to `get`; `cancel` says it was queued, and once a
     replica starts it fails as cancelled (`get`: exit 1), a second cancel has nothing to do. A running request is
     `running` with its replica and step, and `cancel` says so and stops it. An unknown id is exit 4."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     queued = app.send_task("replicadp.generate", kwargs=lasting(0.25, prompt="queued")).id
     got = cli("get", queued, redis_url=url)
@@ -217,7 +218,7 @@ def test_up_takes_the_model_from_the_environment_and_falls_back_to_the_cpu(clean
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"up: 1 replica(s) of {SYNTHETIC!r} on the CPU (--devices auto)" in up.stdout, up.stdout
         state = json.loads((Path(env["REPLICADP_STATE_DIR"]) / "state.json").read_text())
-        assert state["model"] == SYNTHETIC and len(state["replicas"]) == 1
+        assert state["models"] == [SYNTHETIC] and len(state["replicas"]) == 1
     finally:
         down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
     assert down.returncode == 0 and "stopped 1 replica" in down.stdout
@@ -258,6 +259,44 @@ def test_up_plans_one_replica_per_visible_gpu():
         plan("0,x", None, 1, [])
 
 
+def test_up_plans_a_fleet_one_model_after_another():
+    """`up` with several --model: each --replicas, --devices, --served-model-name goes with the --model in its place
+    (one value: with every model); `auto` gives each model the visible GPUs the ones before left; a GPU given to two
+    models, two models under one name, a name that is none, or counts that do not pair are refused by name."""
+    groups = fleet_plan(("tiny", "tiny-a14b"), (), (2, 1), (), 1, ["0", "1", "2", "3"])
+    assert [(g.model, g.n, g.devices, g.served_name) for g in groups] == \
+        [("tiny", 2, "0,1", None), ("tiny-a14b", 1, "2", None)]
+    groups = fleet_plan(("tiny", "tiny"), ("draft", "final"), (1,), ("cpu",), 1, [])
+    assert [(g.n, g.devices, g.served_name) for g in groups] == [(1, "cpu", "draft"), (1, "cpu", "final")]
+    for args, message in (((("tiny", "tiny"), (), (1,), ("cpu",)), "two --model serve 'tiny'"),
+                          ((("a", "b", "c"), (), (1, 2), ()), "--replicas given 2 times for 3 --model"),
+                          ((("a", "b"), (), (1,), ("0", "0,1")), "GPU 0 is given to another --model"),
+                          ((("a b",), (), (), ("cpu",)), "--model='a b': is not a model's name")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fleet_plan(*args, 1, ["0", "1"])
+
+
+def test_up_starts_two_models_and_down_stops_both(clean_env):
+    """`up --model A --served-model-name a --model A --served-model-name b` on the CPU: two launchers, replica0
+    serving `a` and replica1 serving `b`, both in `status --json`; `down` stops both and leaves nothing running."""
+    env, tmp = clean_env
+    env.update(CUDA_VISIBLE_DEVICES="")
+    up = subprocess.run([REPLICADP, "up", "--threads", "1", "--model", SYNTHETIC, "--served-model-name", "a",
+                         "--model", SYNTHETIC, "--served-model-name", "b"], env=env, capture_output=True, text=True,
+                        timeout=300)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "up: 2 replica(s) serving 'a', 'b'" in up.stdout, up.stdout
+        status = subprocess.run([REPLICADP, "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        snap = json.loads(status.stdout)
+        assert {m["name"]: m["serving"] for m in snap["models"]} == {"a": 1, "b": 1}, snap["models"]
+        assert {r["name"].split("@")[0]: r["model"] for r in snap["replicas"]} == {"replica0": "a", "replica1": "b"}
+    finally:
+        down = subprocess.run([REPLICADP, "down"], env=env, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0 and "stopped 2 replica" in down.stdout
+    assert started_with(tmp) == set()
+
+
 def test_starting_replicas_outlasts_a_redis_read_that_times_out(tmp_path):
     """While replicas start, `up` and the tests poll the heartbeats with a 1 s read. A server that stalls past
     it (CLIENT PAUSE here; an fsync on a busy disk in CI) makes that read time out: the poll counts it as no
@@ -266,7 +305,8 @@ def test_starting_replicas_outlasts_a_redis_read_that_times_out(tmp_path):
     url = server.start()
     try:
         group = Replicas(1, redis_url=url, model="tiny", log_path=tmp_path / "replicas.log")
-        Heartbeat(group.names[0], url, 10.0, consuming=lambda: True, running=lambda: None).beat(True, None)
+        Heartbeat(group.names[0], url, 10.0, consuming=lambda: True, running=lambda: None, model="tiny",
+                  prefix="video").beat(True, None)
         assert group.serving() == set(group.names)
         pause = redis.Redis.from_url(url)
         pause.client_pause(1500, all=True)

@@ -22,7 +22,7 @@ from conftest import start_replicas
 from helpers import SYNTHETIC, lasting, wait_for
 from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY, STATS_KEY
-from replicadp_tasks.contract import queue_lists
+from replicadp_tasks.contract import queue_for, queue_lists
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.cluster import outage_tolerant
 from test_http import form_of, gateway, multipart
@@ -244,7 +244,7 @@ def written_through_a_stop(ha: HAStack, script: str) -> list[str]:
     old = ha.primary()
     pid = ha.server_pid(old)
     writer = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "REDIS_URL": ha.url})
+                              text=True, env={**os.environ, "REDIS_URL": ha.url, "REPLICADP_MODELS": "tiny"})
     try:
         first = writer.stdout.readline().strip()
         os.kill(pid, signal.SIGSTOP)
@@ -279,7 +279,7 @@ def test_a_request_sent_to_a_stopped_primary_is_queued_on_the_new_one(ha):
     first, second = written_through_a_stop(ha, PRODUCER)
     assert first and second
     client = outage_tolerant(ha.url, 30)  # the new primary refuses connections until a replica follows it
-    queued = b"".join(m for key in queue_lists(SETTINGS.queue) for m in client.lrange(key, 0, -1))
+    queued = b"".join(m for key in queue_lists(queue_for(SETTINGS.queue, "tiny")) for m in client.lrange(key, 0, -1))
     assert first.encode() in queued and second.encode() in queued
 
 

@@ -85,7 +85,7 @@ def test_killed_pool_child_requeues_its_request(synthetic):
     completes on the other replica, which is ready, within 6 s of the kill besides its own re-run (the killed
     child's replica stops taking requests while its replacement child reloads the model); the caller's get()
     returns the success, not WorkerLostError; it was started twice, not three times (no second copy went back
-    to the queue). Once reloaded, that replica consumes the shared queue again."""
+    to the queue). Once reloaded, that replica consumes its model's queue again."""
     run_s = 2.0
     result = send(synthetic, lasting(run_s, prompt="survive a kill", seed=9))
     info = wait_for_step(synthetic, result.id, 1)
@@ -403,7 +403,7 @@ def _parent_or_none(pid: int) -> int | None:
 @pytest.mark.cluster
 def test_replacement_child_rides_out_a_redis_restart_before_its_replica_consumes(tmp_path):
     """The only replica's pool child killed mid-request; its replacement loads the model, then asks its main
-    process to reopen the shared queue, and Redis restarts while it is asking (made certain here by stopping the
+    process to reopen its model's queue, and Redis restarts while it is asking (made certain here by stopping the
     main process, so that the question is still open when Redis dies). The child keeps asking: once Redis is
     back, the replica consumes again, and the interrupted request and a new one complete on it. (Seen in a
     chaos run before this was handled: the child's error was logged and dropped, and its replica stayed idle

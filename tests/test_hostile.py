@@ -14,14 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from helpers import served_by_each
+from helpers import model_queue, served_by_each
 
 from client.api import live_replicas, run_requests
 from replicadp_tasks import app
 from replicadp_tasks.contract import FIELDS, ImageInputError
 from replicadp_tasks.contract.request import TWO_EXPERT_FIELDS
 from replicadp_tasks.inputs import load_first_frame
-from replicadp_tasks.settings import SETTINGS
 
 SMALL = {"height": 64, "width": 64, "num_frames": 5, "num_inference_steps": 2}
 
@@ -55,12 +54,13 @@ def test_pickled_message_is_refused_unread_and_replicas_keep_serving(replicas, t
     """A pickle put straight on the queue, dressed as a generate task, is refused without being
     deserialised (the code inside never runs), and both replicas go on serving. Published through the queue's
     exchange, it reaches the queue alone: no replica's standby queue is bound to that exchange."""
-    bound = app.backend.client.smembers(f"_kombu.binding.{SETTINGS.queue}")
-    assert {member.decode().rsplit("\x06\x16", 1)[-1] for member in bound} == {SETTINGS.queue}
+    queue = model_queue()
+    bound = app.backend.client.smembers(f"_kombu.binding.{queue}")
+    assert {member.decode().rsplit("\x06\x16", 1)[-1] for member in bound} == {queue}
     marker = tmp_path / "unpickled"
     with app.producer_or_acquire() as producer:
-        producer.publish(Exploit(marker), serializer="pickle", exchange=SETTINGS.queue, routing_key=SETTINGS.queue,
-                         declare=[app.amqp.queues[SETTINGS.queue]],
+        producer.publish(Exploit(marker), serializer="pickle", exchange=queue, routing_key=queue,
+                         declare=[app.amqp.queues[queue]],
                          headers={"lang": "py", "task": "replicadp.generate", "id": str(uuid.uuid4()),
                                   "root_id": None, "parent_id": None, "group": None, "argsrepr": "", "kwargsrepr": ""})
     served_by_each(replicas.names, {"prompt": "after the pickle", **SMALL})
@@ -165,6 +165,7 @@ VALID = {
     "webhook": st.just("https://example.com/hook"),  # refused here all the same: these replicas have no secret
     "webhook_events": st.sampled_from([["completed"], ["started", "progress", "completed", "failed"]]),
     "loras": st.just([]),  # the session's replicas register no adapter: none is the only valid choice here
+    "model": st.just("tiny"),  # the session's replicas' model
 }
 MISTAKES = {
     "prompt": st.sampled_from(["", "   ", "a\x00b", "\x1b[2J", "x" * 5000]),
@@ -192,6 +193,7 @@ MISTAKES = {
     "loras": st.sampled_from(["style", {"name": "style"}, [{"name": "style"}], [{"name": "../x"}], [1],
                               [{"name": "a", "scale": 9}], [{"name": "a", "scale": float("nan")}],
                               [{"name": "a", "path": "/etc/passwd"}], [{"name": "a"}] * 5]),
+    "model": st.sampled_from(["tiny-a14b", "", "a b", "../x\x00", "Tiny", "m" * 201]),
 }
 SIZE_FIELDS = ("prompt", "height", "width", "num_frames", "num_inference_steps")
 DROP = object()  # a mutation that removes the field

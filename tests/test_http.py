@@ -19,13 +19,14 @@ import pytest
 import redis
 import schemathesis
 from conftest import SESSION_DIR, start_replicas
-from helpers import SYNTHETIC, lasting, wait_for
+from helpers import SYNTHETIC, lasting, model_queue, wait_for
 from hypothesis import HealthCheck, given, settings
 from PIL import Image
 
 from client.local.embedded import _free_port, die_with_parent, stop_pid
+from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract import RequestState, queue_lists
-from replicadp_tasks.contract.keys import CANCEL_KEY
+from replicadp_tasks.contract.keys import CANCEL_KEY, MODELS_KEY
 from replicadp_tasks.settings import SETTINGS
 
 REPLICADP = str(Path(sys.executable).parent / "replicadp")
@@ -44,8 +45,12 @@ LONG = form_of(lasting(50, prompt="a long one"))
 
 @contextmanager
 def gateway(url: str, name: str, *args: str, **env: str):
-    """A `replicadp serve-http` process on a free port, serving once its OpenAPI schema answers; stopped by PID."""
+    """A `replicadp serve-http` process on a free port, serving once its OpenAPI schema answers; stopped by PID. On
+    a database where no model is declared yet (no replica started), it declares `tiny` (REPLICADP_MODELS), so that
+    its requests are queued."""
     port = _free_port()
+    if not connection.client(url).exists(MODELS_KEY):
+        env.setdefault("REPLICADP_MODELS", "tiny")
     log_path = SESSION_DIR / "logs" / f"gateway-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -378,7 +383,7 @@ def test_priority_and_user_place_the_job(redis_db):
             assert post(gw, "/v1/videos", {**SMALL, **fields}).status_code == 200
     client = redis.Redis.from_url(url)
     users = [[json.loads(raw)["headers"].get("replicadp_user") for raw in client.lrange(key, 0, -1)]
-             for key in queue_lists(SETTINGS.queue)]
+             for key in queue_lists(model_queue())]
     assert users == [["alice"], [None], ["farm"]]
 
 
@@ -612,7 +617,7 @@ def test_a_graceful_stop_answers_sync_requests_in_time_or_hands_them_over_as_job
         first = pool.submit(sync, short)
         wait_for(running, "the first sync request to run")
         second = pool.submit(sync, outlasting)  # waits in the queue behind the first (one replica)
-        wait_for(lambda: queue_depth(client) == 1, "the second sync request to be queued")
+        wait_for(lambda: queue_depth(client, SYNTHETIC) == 1, "the second sync request to be queued")
         os.kill(gateway_pid(gw), signal.SIGTERM)
         ended, handed_over = first.result(), second.result()
     assert ended.status_code == 200 and mp4_frames(ended.content)[0] == 5, ended.text

@@ -16,10 +16,9 @@ from client.api import _app_for
 from client.ops.metrics import Exporter
 from client.ops.status import queue_head
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, parent_of, queue_depth, wait_for
+from helpers import SYNTHETIC, lasting, model_queue, parent_of, queue_depth, wait_for
 from replicadp_tasks.broker import message
 from replicadp_tasks.contract import MessageRefused
-from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.contract.keys import DEAD_KEY, REPLICA_KEY, STATS_KEY
 
 
@@ -37,7 +36,7 @@ def envelope(body=None, headers=None, properties=None, **fields) -> dict:
                     "ignore_result": False, "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
                     **(headers or {})},
         "properties": {"correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
-                       "delivery_info": {"exchange": "", "routing_key": SETTINGS.queue}, "priority": 0,
+                       "delivery_info": {"exchange": "", "routing_key": model_queue(SYNTHETIC)}, "priority": 0,
                        "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()), **(properties or {})},
         **fields,
     }
@@ -137,9 +136,9 @@ def test_queue_readers_survive_garbage_at_the_head(redis_db):
     """status, metrics and health read the next request's headers: garbage at the head reads as no headers."""
     client = redis.Redis.from_url(redis_db())
     for garbage in (b"{this is not json", b"[1, 2, 3]", b'{"headers": "no"}', b"\xff"):
-        client.delete(SETTINGS.queue)
-        client.lpush(SETTINGS.queue, garbage)
-        depths, head = queue_head(client)
+        client.delete(model_queue())
+        client.lpush(model_queue(), garbage)
+        depths, head = queue_head(client, "tiny")
         assert sum(depths.values()) == 1 and head == {}
 
 
@@ -151,7 +150,7 @@ def test_every_poison_message_is_refused_and_both_replicas_serve_a_canary(group)
     before = processes(group)
     refused_before = int(group.redis.hget(STATS_KEY, "refused_messages") or 0)
     group.redis.delete(DEAD_KEY)
-    group.redis.lpush(SETTINGS.queue, *[raw(m) for _, m, _ in POISON])
+    group.redis.lpush(model_queue(SYNTHETIC), *[raw(m) for _, m, _ in POISON])
 
     wait_for(lambda: group.redis.llen(DEAD_KEY) >= len(POISON), "every poison message to be refused", timeout=30)
     canaries = [group.app.send_task("replicadp.generate", kwargs=lasting(1.0, seed=s)) for s in range(2)]
@@ -159,7 +158,7 @@ def test_every_poison_message_is_refused_and_both_replicas_serve_a_canary(group)
     assert {r["replica"] for r in results} == set(group.names)
 
     assert processes(group) == before
-    assert queue_depth(group.redis) == 0
+    assert queue_depth(group.redis, SYNTHETIC) == 0
     wait_for(lambda: group.redis.hlen("unacked") == 0, "the canaries' acknowledgements", timeout=10)
     dead = [json.loads(d) for d in group.redis.lrange(DEAD_KEY, 0, -1)]
     assert len(dead) == len(POISON) and all(d["reason"].startswith("refused: ") for d in dead)

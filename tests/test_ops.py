@@ -29,7 +29,7 @@ from client.ops.flower import CredentialsError, credentials
 from client.ops.metrics import Exporter
 from client.local.replicas import LAUNCHER, stop_group
 from conftest import SESSION_DIR, run_client_on, start_replicas
-from helpers import SYNTHETIC, lasting, wait_for
+from helpers import SYNTHETIC, declare, declared, lasting, model_queue, wait_for
 from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract.keys import REPLICA_KEY
 from replicadp_tasks.contract import RequestState
@@ -328,7 +328,9 @@ def test_metrics_count_and_time_the_requests(lone_replica):
         assert m[("replicadp_request_latency_seconds_count", ())] == 3
         assert m[("replicadp_queue_wait_seconds_count", ())] == 4
         assert 0 < m[("replicadp_request_latency_seconds_sum", ())] < 3 * 60
-        assert m[("replicadp_queue_depth", ())] == 0 and m[("replicadp_queue_oldest_age_seconds", ())] == 0
+        synthetic = (("model", SYNTHETIC),)
+        assert m[("replicadp_queue_depth", synthetic)] == 0
+        assert m[("replicadp_queue_next_age_seconds", synthetic)] == 0
         assert m[("replicadp_redis_up", ())] == 1
     finally:
         stop(proc)
@@ -369,6 +371,7 @@ def test_metrics_show_the_queue_depth_and_how_long_it_waited(redis_db):
     """With no replica on its DB, two sent requests wait: depth 2, one at each priority they were sent with, and
     the age of the next (the interactive one) is the time since it was sent."""
     url = redis_db()
+    declare(url, "tiny")
     proc, port = start_exporter(url)
     try:
         first = time.time()
@@ -376,11 +379,12 @@ def test_metrics_show_the_queue_depth_and_how_long_it_waited(redis_db):
             _app_for(url).send_task("replicadp.generate", kwargs={**TINY, "seed": seed, "priority": priority})
         time.sleep(1.0)  # the wait to be measured
         m = scrape(port)
-        assert m[("replicadp_queue_depth", ())] == 2
+        tiny = (("model", "tiny"),)
+        assert m[("replicadp_queue_depth", tiny)] == 2
         assert {dict(labels)["priority"]: v for (n, labels), v in m.items()
                 if n == "replicadp_queue_depth_by_priority"} == {"interactive": 1, "normal": 0, "batch": 1}
         # Waited at least the pause since the last was sent, at most the time since the first (one clock here).
-        assert 1.0 <= m[("replicadp_queue_oldest_age_seconds", ())] <= time.time() - first
+        assert 1.0 <= m[("replicadp_queue_next_age_seconds", tiny)] <= time.time() - first
     finally:
         stop(proc)
 
@@ -413,7 +417,7 @@ def stopped(lone_replica):
 def test_health_passes_a_serving_replica_and_fails_an_absent_one(lone_replica):
     """An idle replica that consumes the queue is healthy (exit 0); a name nobody answers to is not (exit 1)."""
     code, line = health("replica0@%h", lone_replica.url)  # %h expands as in `celery worker -n`
-    assert (code, line) == (0, f"healthy: {lone_replica.name}: idle, consuming {SETTINGS.queue!r}")
+    assert (code, line) == (0, f"healthy: {lone_replica.name}: idle, consuming {model_queue(SYNTHETIC)!r}")
     code, line = health("nobody@nowhere", lone_replica.url)
     assert code == 1 and "no reply to ping" in line
 
@@ -461,15 +465,15 @@ def test_health_fails_an_idle_replica_beside_waiting_requests(lone_replica, stop
 
 
 def test_health_fails_a_replica_that_lost_its_queue_consumer(lone_replica):
-    """A replica whose consumer of the shared queue was cancelled (what a broker reconnect can leave) is
+    """A replica whose consumer of its model's queue was cancelled (what a broker reconnect can leave) is
     unhealthy; given the consumer back, healthy."""
     control = lone_replica.app.control
-    assert control.cancel_consumer(SETTINGS.queue, destination=[lone_replica.name], reply=True)
+    assert control.cancel_consumer(model_queue(SYNTHETIC), destination=[lone_replica.name], reply=True)
     try:
         code, line = health(lone_replica.name, lone_replica.url)
-        assert code == 1 and f"not consuming queue {SETTINGS.queue!r}" in line, line
+        assert code == 1 and f"not consuming queue {model_queue(SYNTHETIC)!r}" in line, line
     finally:
-        assert control.add_consumer(SETTINGS.queue, destination=[lone_replica.name], reply=True)
+        assert control.add_consumer(model_queue(SYNTHETIC), destination=[lone_replica.name], reply=True)
     assert health(lone_replica.name, lone_replica.url)[0] == 0
 
 
@@ -550,7 +554,7 @@ def test_metrics_give_the_next_requests_age_under_its_name_and_the_old_one(redis
     batch request sent 1000 s ago and an interactive one sent 10 s ago (their send stamps), it is the interactive
     one's; the deprecated replicadp_queue_oldest_age_seconds, named for what it never measured, gives the same
     value."""
-    url = redis_db()
+    url = declared(redis_db(), "tiny")
     proc, port = start_exporter(url)
     try:
         now = time.time()
@@ -558,8 +562,9 @@ def test_metrics_give_the_next_requests_age_under_its_name_and_the_old_one(redis
             _app_for(url).send_task("replicadp.generate", kwargs={**TINY, "seed": seed, "priority": priority},
                                     headers={"replicadp_sent_at": now - age})
         m = scrape(port)
-        assert 10 <= m[("replicadp_queue_next_age_seconds", ())] <= 10 + (time.time() - now)
-        assert m[("replicadp_queue_oldest_age_seconds", ())] == m[("replicadp_queue_next_age_seconds", ())]
+        tiny = (("model", "tiny"),)
+        assert 10 <= m[("replicadp_queue_next_age_seconds", tiny)] <= 10 + (time.time() - now)
+        assert m[("replicadp_queue_oldest_age_seconds", tiny)] == m[("replicadp_queue_next_age_seconds", tiny)]
     finally:
         stop(proc)
 
@@ -611,7 +616,7 @@ def test_a_replica_reloading_its_model_is_not_live_until_it_consumes_again(redis
     """A replica's pool child SIGKILLed mid-request: while the replacement child loads the model (held with
     SIGSTOP here, so that the reload lasts as long as the test needs), the replica is live but not serving
     (`status` says "no") and live_replicas leaves it out; resumed, it is listed again only once its main process
-    consumes the shared queue (Celery's own answer to a broadcast says so), with the new child's model, and the
+    consumes its model's queue (Celery's own answer to a broadcast says so), with the new child's model, and the
     requeued request completes on it. The tiny model: the new child's load (it imports torch) outlasts the
     moment the test takes to stop it."""
     from contextlib import suppress
@@ -649,7 +654,7 @@ def test_a_replica_reloading_its_model_is_not_live_until_it_consumes_again(redis
         os.kill(replacement, signal.SIGCONT)
         wait_for(lambda: name in live_replicas(url=url), f"{name} to serve again", timeout=120, interval=0.05)
         queues = app.control.inspect(destination=[name], timeout=10).active_queues() or {}
-        assert SETTINGS.queue in [q["name"] for q in queues.get(name, [])], queues
+        assert model_queue() in [q["name"] for q in queues.get(name, [])], queues
         assert json.loads(client.get(REPLICA_KEY + name))["pid"] == replacement
         assert result.get(timeout=120)["replica"] == name
     finally:

@@ -20,11 +20,10 @@ import redis
 
 from client.api import _app_for
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, queue_depth, wait_for_step
+from helpers import SYNTHETIC, declared, lasting, model_queue, queue_depth, wait_for_step
 from replicadp_tasks.contract import InvalidRequest
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY
 from replicadp_tasks.contract import Priority, queue_lists
-from replicadp_tasks.settings import SETTINGS
 
 SHORT = lasting(0.25)  # one step of the synthetic backend
 
@@ -34,7 +33,7 @@ def queued(client) -> list[list[str]]:
     def prompt(raw):
         return json.loads(base64.b64decode(json.loads(raw)["body"]))[1]["prompt"]
 
-    return [[prompt(raw) for raw in reversed(client.lrange(key, 0, -1))] for key in queue_lists(SETTINGS.queue)]
+    return [[prompt(raw) for raw in reversed(client.lrange(key, 0, -1))] for key in queue_lists(model_queue(SYNTHETIC))]
 
 
 def served_order(app, results) -> list[str]:
@@ -60,7 +59,7 @@ def send(app, prompt: str, **fields):
 def test_a_higher_priority_overtakes_a_backlog(redis_db):
     """With a backlog of batch and normal requests queued, an interactive request sent last is taken first, the
     normal ones next, the batch ones last, each priority in the order it was sent."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     results = [send(app, f"batch {i}", priority="batch") for i in range(4)]
     results += [send(app, f"normal {i}") for i in range(2)]
@@ -75,7 +74,7 @@ def test_a_higher_priority_overtakes_a_backlog(redis_db):
 def test_round_robin_across_users(redis_db):
     """Within one priority, a user who sends after another's backlog is served in turn with it, not after it;
     unnamed requests are one more user; each user's requests stay in the order sent."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     results = [send(app, f"alice {i}", user="alice") for i in range(4)]
     results += [send(app, f"bob {i}", user="bob") for i in range(2)]
@@ -89,7 +88,7 @@ def test_round_robin_across_users(redis_db):
 def test_tenants_alternate_whatever_number_of_users_they_name(redis_db):
     """Tenant A sends six requests as six users, then tenant B six as one user: the replica takes them A, B, A,
     B, ...: inventing users gains a tenant no turns (one lane per user gave A's six first)."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     results = [send(app, f"A {i}", tenant="A", user=f"made-up {i}") for i in range(6)]
     results += [send(app, f"B {i}", tenant="B", user="b") for i in range(6)]
@@ -103,7 +102,7 @@ def test_a_new_user_takes_its_turn_within_its_tenant_only(redis_db):
     """Tenant A's user u1 sends three requests, tenant B three, then A's new user u2 two: u2 alternates with u1
     inside A's turns (its requests move ahead of u1's later ones), and A and B still alternate; B's turns do not
     move. One lane per user gave u2 turns of its own between B's."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     results = [send(app, f"u1 {i}", tenant="A", user="u1") for i in range(3)]
     results += [send(app, f"B {i}", tenant="B") for i in range(3)]
@@ -117,7 +116,7 @@ def test_a_new_user_takes_its_turn_within_its_tenant_only(redis_db):
 def test_a_user_name_does_not_join_another_tenants_lane(redis_db):
     """Tenants A and B and the unnamed tenant all send as user "alice": each is a lane of its own, so they
     alternate (one lane for the name gave A's three, then B's, then the unnamed one's)."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     for tenant in ("A", "B", None):
         for i in range(3 if tenant else 1):
@@ -127,7 +126,7 @@ def test_a_user_name_does_not_join_another_tenants_lane(redis_db):
 
 def test_users_alternate_within_a_tenant(redis_db):
     """Within one tenant, users take turns and each user's requests stay in the order sent, as without tenants."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     for user, count in (("x", 3), ("y", 2)):
         for i in range(count):
@@ -139,7 +138,7 @@ def test_a_requeued_request_keeps_its_priority(redis_db):
     """An interactive request whose pool child is killed mid-request goes back to the head of the interactive
     list: once the replica has reloaded, it runs again before the interactive request sent after it, and both
     before the batch request sent before that."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     with serving(url, "requeue-priority"):
         first = app.send_task("replicadp.generate", kwargs=lasting(2.0, prompt="killed", priority="interactive"))
@@ -155,7 +154,7 @@ def test_bad_priority_tenant_or_user_is_refused_before_it_is_sent(redis_db):
     and nothing is queued; so does Celery's own priority option, which replicadp does not read. A user with an
     invisible or control character (zero-width space, bidi override, C1's NEL, a line separator, a surrogate, an
     unassigned code point) is refused, saying so."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     app = _app_for(url)
     for fields, field in (({"priority": "urgent"}, "priority"), ({"priority": 1}, "priority"),
                           ({"user": ""}, "user"), ({"user": "a\x00b"}, "user"), ({"user": "u" * 257}, "user"),
@@ -170,14 +169,14 @@ def test_bad_priority_tenant_or_user_is_refused_before_it_is_sent(redis_db):
         assert caught.value.field == "user" and str(caught.value).startswith("user=")
     with pytest.raises(InvalidRequest, match="apply_async priority option"):
         app.send_task("replicadp.generate", kwargs=SHORT, priority=9)
-    assert queue_depth(redis.Redis.from_url(url)) == 0
+    assert queue_depth(redis.Redis.from_url(url), SYNTHETIC) == 0
     assert [p.level for p in Priority] == [0, 3, 6]
 
 
 def test_fifo_scheduling_keeps_one_list_in_arrival_order(redis_db):
     """REPLICADP_SCHEDULING=fifo (the benchmarks' baseline): every request, whatever its priority and user, waits
     in one list in the order it was sent."""
-    url = redis_db()
+    url = declared(redis_db(), SYNTHETIC)
     code = ("from client.api import use_redis; import sys; use_redis(sys.argv[1]); "
             "from replicadp_tasks import generate\n"
             "for p, u in (('batch', 'a'), ('interactive', 'b'), ('normal', 'a'), ('batch', None)):\n"

@@ -53,9 +53,9 @@ def held_by_other(group, stopped_replica: str):
 
 
 def reloaded(group, replica: str, old_child: int) -> None:
-    """Wait until `replica` has loaded its model in a new pool child and consumes the shared queue again."""
+    """Wait until `replica` has loaded its model in a new pool child and consumes its model's queue again."""
     wait_for_reload(group.redis, replica, old_child)
-    wait_for(lambda: replica in group.serving(), f"{replica} to consume the shared queue")
+    wait_for(lambda: replica in group.serving(), f"{replica} to consume its model's queue")
 
 
 def serves_both(group) -> None:

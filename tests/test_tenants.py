@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from helpers import model_queue
 from test_http import REPLICADP, SMALL, gateway, multipart
 
 from client.http.auth import ApiKeyError, owner_of, read_keys
 from replicadp_tasks.contract import Priority, queue_lists
-from replicadp_tasks.settings import SETTINGS
 
 ACME = ("key-acme-0123456789", "key-acme-rotated-0123")  # one tenant, two keys (a rotation)
 OTHER = "key-other-9876543210"
@@ -29,7 +29,7 @@ def queued_kwargs(url: str) -> list[dict]:
     """generate's kwargs of every request waiting in the queue, as a replica would receive them."""
     client = redis.Redis.from_url(url)
     return [json.loads(base64.b64decode(json.loads(raw)["body"]))[1]
-            for key in queue_lists(SETTINGS.queue) for raw in client.lrange(key, 0, -1)]
+            for key in queue_lists(model_queue()) for raw in client.lrange(key, 0, -1)]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,11 @@ def print_report(rep: dict) -> None:
     if rep.get("dit_tflops_per_s") is not None:
         mfu = "" if rep["mfu"] is None else f", MFU {100 * rep['mfu']:.1f}% of {rep['config']['peak_tflops']:g}"
         t.add_row("DiT (denoising loop) p50", f"{fmt(rep['dit_s']['p50'])} s at {rep['dit_tflops_per_s']:.2f} TFLOP/s{mfu}")
+    if len(rep.get("per_model") or {}) > 1:
+        for name, m in sorted(rep["per_model"].items()):
+            t.add_row(f"model {name}", f"{m['completed']} completed on {len(m['replicas'])} replica(s), "
+                                       f"{m['videos_per_min']:.2f} videos/min, "
+                                       f"latency p50 {fmt(m['latency_s']['p50'])} s")
     for name, r in sorted(rep["per_replica"].items()):
         peak = f", peak memory {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") is not None else ""
         t.add_row(f"  {name}", f"{r['requests']} requests, busy {r['busy_s']:.2f} s{peak}")

@@ -11,12 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract import DEFAULTS
 from replicadp_tasks.model import PEAK_TFLOPS
 
-from ..api import ClientError, Outcome, check_redis, fetch_video, redis_url, run_requests
-from ..ops.status import replica_info
+from ..api import Outcome, check_redis, fetch_video, model_for, run_requests
 from ..progress import flight_text, progress_bar, wait_for_replicas
 from . import isolation
 
@@ -47,6 +45,7 @@ class BenchConfig:
     steps: int = DEFAULTS["num_inference_steps"]
     quality: str = "standard"  # or "fast", or "mixed": standard and fast in turn
     loras: tuple[str, ...] = ()  # registered adapters: request i runs with lora_choices(loras)[i % 3]
+    models: tuple[str, ...] = ()  # request i runs on models[i % len(models)]; none: the deployment's default
     timeout: float = 1800.0
     label: str = ""
     peak_tflops: float = PEAK_TFLOPS  # the chip's bf16 matrix throughput, for model FLOP utilisation
@@ -68,7 +67,7 @@ def make_inputs(cfg: BenchConfig, count: int, seed_offset: int = 0) -> list[dict
         "prompt": cfg.prompts[i % len(cfg.prompts)], "seed": cfg.base_seed + seed_offset + i,
         "negative_prompt": cfg.negative_prompt, "height": cfg.height, "width": cfg.width,
         "num_frames": cfg.num_frames, "num_inference_steps": cfg.steps, "quality": qualities[i % len(qualities)],
-        "loras": loras[i % len(loras)],
+        "loras": loras[i % len(loras)], "model": cfg.models[i % len(cfg.models)] if cfg.models else None,
     } for i in range(count)]
     return [{k: v for k, v in request.items() if v is not None} for request in inputs]
 
@@ -111,6 +110,7 @@ def report(cfg: BenchConfig, outcomes: list[Outcome], *, replicas: int, warmup: 
     models = sorted({o.result["model"] for o in ok})
     return {
         "label": cfg.label, "model": models[0] if len(models) == 1 else models, "replicas": replicas,
+        "per_model": {model: per_model(model, outcomes, makespan) for model in models},
         "config": {**asdict(cfg), "prompts": len(cfg.prompts), "warmup": warmup},
         "completed": len(ok), "failed": len(outcomes) - len(ok),
         "makespan_s": makespan,
@@ -129,6 +129,17 @@ def report(cfg: BenchConfig, outcomes: list[Outcome], *, replicas: int, warmup: 
     }
 
 
+def per_model(model: str, outcomes: list[Outcome], makespan: float) -> dict:
+    """One model's share of a run: its requests, its videos/min over the run's makespan, its latency and wait."""
+    mine = [o for o in outcomes if o.ok and o.result["model"] == model]
+    replicas = {o.result["replica"] for o in mine}
+    return {"completed": len(mine), "replicas": sorted(replicas),
+            "videos_per_min": 60.0 * len(mine) / makespan if makespan > 0 else 0.0,
+            "latency_s": _pct([o.latency_s for o in mine]),
+            "queue_wait_s": _pct([o.result["timings"]["queued_s"] for o in mine
+                                  if o.result["timings"]["queued_s"] is not None])}
+
+
 def add_scaling(rep: dict, base_tpm: float, base_replicas: int = 1) -> None:
     """Scaling: videos/min over the baseline's (`base_tpm` videos/min at `base_replicas`); efficiency: videos/min
     per replica over the baseline's per replica (1.0: linear). The bench, the demo and the sweep all use it."""
@@ -143,20 +154,17 @@ def save_videos(outcomes: list[Outcome], save_dir: Path) -> None:
             (save_dir / f"{o.index:04d}_seed{o.request['seed']}.mp4").write_bytes(fetch_video(o.result))
 
 
-def run_bench(cfg: BenchConfig, *, model: str | None = None, save_dir: Path | None = None,
+def run_bench(cfg: BenchConfig, *, save_dir: Path | None = None,
               baseline_tpm: float | None = None, write_baseline: Path | None = None,
               baseline_format: isolation.BaselineFormat = isolation.BaselineFormat.REPLICADP,
               check_baseline: Path | None = None, tolerance_psnr: float | None = None) -> dict:
-    """The bench against the live replicas, with a progress bar: waits for a first replica, checks that they
-    serve `model` (if given), runs the closed loop, adds scaling against `baseline_tpm` (one replica's
+    """The bench against the live replicas, with a progress bar: checks that the deployment serves cfg.models,
+    waits for a first replica of each, runs the closed loop, adds scaling against `baseline_tpm` (one replica's
     videos/min), records (in `baseline_format`) or checks (either format) an isolation baseline, saves the
     videos. Returns the report."""
     check_redis()
-    live = wait_for_replicas(cfg.timeout)
-    if model:
-        served = {info.get("model") for info in replica_info(connection.client(redis_url()), live).values()}
-        if served != {model}:
-            raise ClientError(f"--model {model!r}: the live replicas serve {sorted(map(str, served))}")
+    live = sorted({name for model in {model_for(m) for m in cfg.models or (None,)}
+                   for name in wait_for_replicas(cfg.timeout, model)})
     with progress_bar() as bar:
         task = bar.add_task(f"bench {cfg.label}".strip(), total=cfg.num_requests, flight="")
 

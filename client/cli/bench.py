@@ -27,7 +27,9 @@ from .options import PEAKS, json_to, redis_url_option, size_param, write_json
 @click.option("--size", default=REFERENCE_SIZE, show_default=True, callback=size_param, help="WIDTHxHEIGHT.")
 @click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
 @click.option("--steps", default=DEFAULTS["num_inference_steps"], show_default=True, help="Denoising steps.")
-@click.option("--model", default=None, help="Expected model; fail if the live replicas serve another.")
+@click.option("--model", "models", multiple=True, metavar="NAME", help="A model to run on; repeat for several: "
+              "request i runs on the (i mod count)th, and the report has each model's share (default: the "
+              "deployment's model).")
 @click.option("--quality", type=click.Choice(["standard", "fast", "mixed"]), default="standard", show_default=True,
               help="The path each request asks for; mixed: standard and fast in turn (request i: fast if i is odd).")
 @click.option("--loras", default="", metavar="NAME[,NAME]", help="Registered LoRA adapters to mix in: requests in "
@@ -54,7 +56,7 @@ from .options import PEAKS, json_to, redis_url_option, size_param, write_json
               help="Write the report as JSON to this file, or to stdout with - (the tables then go to stderr).")
 @redis_url_option()
 def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_prompt, size, num_frames, steps,
-          model, quality, loras, timeout, save_dir, label, baseline_tpm, write_baseline, baseline_format,
+          models, quality, loras, timeout, save_dir, label, baseline_tpm, write_baseline, baseline_format,
           check_baseline, tolerance_psnr, peak_tflops, json_out):
     """Throughput benchmark (vllm-omni's bench_replica_dp protocol) with an optional isolation check."""
     from ..bench.isolation import BaselineError, BaselineFormat, read_baseline
@@ -93,8 +95,8 @@ def bench(num_requests, concurrency, warmup, base_seed, prompts_file, negative_p
     cfg = BenchConfig(num_requests=num_requests, concurrency=concurrency, warmup=warmup, base_seed=base_seed,
                       prompts=prompts, negative_prompt=negative_prompt, width=size[0], height=size[1],
                       num_frames=num_frames, steps=steps, quality=quality, loras=loras, timeout=timeout,
-                      label=label, peak_tflops=peak_tflops)
-    rep = run_bench(cfg, model=model, save_dir=save_dir, baseline_tpm=baseline_tpm, write_baseline=write_baseline,
+                      label=label, peak_tflops=peak_tflops, models=models)
+    rep = run_bench(cfg, save_dir=save_dir, baseline_tpm=baseline_tpm, write_baseline=write_baseline,
                     baseline_format=BaselineFormat(baseline_format or BaselineFormat.REPLICADP),
                     check_baseline=check_baseline, tolerance_psnr=tolerance_psnr)
     print_report(rep)

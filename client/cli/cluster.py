@@ -15,42 +15,72 @@ from .options import redis_url_option
 
 
 @main.command()
-@click.option("--replicas", "n", type=int, help="Replicas to start (default: one per --gpus-per-replica GPUs, or 1 on "
-                                                 "the CPU).")
-@click.option("--devices", default="auto", show_default=True,
-              help="GPU ids (0,1,...), cpu, or auto: the visible GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi's), "
-                   "else cpu.")
+@click.option("--model", "models", multiple=True, envvar="REPLICADP_MODEL", show_envvar=True, metavar="SPEC",
+              help="Model spec: tiny, a local folder or a hub id (default: tiny, which works offline). Repeat for a "
+                   "fleet: each --replicas, --devices and --served-model-name goes with the --model in its "
+                   "place, or one value with every model.")
+@click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
+              help="The name requests give for the model (default: its spec).")
+@click.option("--replicas", "counts", type=int, multiple=True, help="Replicas to start (default: one per "
+              "--gpus-per-replica GPUs, or 1 on the CPU).")
+@click.option("--devices", "devices", multiple=True, help="GPU ids (0,1,...), cpu, or auto: the visible GPUs "
+              "(CUDA_VISIBLE_DEVICES, else nvidia-smi's) that the models before it left, else cpu.  [default: auto]")
 @click.option("--gpus-per-replica", type=int, help="Default: REPLICADP_PARALLEL's rank count (one GPU per rank), "
               "else 1.")
 @click.option("--threads", type=int, help="CPU threads per replica (cpu only).")
-# tiny unless REPLICADP_MODEL says otherwise: `up` works offline out of the box.
-@click.option("--model", default="tiny", envvar="REPLICADP_MODEL", show_default=True, show_envvar=True,
-              help="Model spec: tiny, a local folder or a hub id.")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the replicas to load.")
 @click.option("--ha", is_flag=True, help="Start a Redis that fails over instead of one server: a primary, two "
               "replicas and three Sentinels (docs/operations.md).")
 @redis_url_option(help="Redis to start the replicas on (default: an embedded server, started here).")
-def up(n, devices, gpus_per_replica, threads, model, timeout, ha):
-    """Start the embedded server (unless REDIS_URL is set) and N replicas in the background."""
+def up(models, served_names, counts, devices, gpus_per_replica, threads, timeout, ha):
+    """Start the embedded server (unless REDIS_URL is set) and the replicas of one model or several, in the
+    background."""
     from replicadp_tasks.settings import SETTINGS
 
     from ..api import redacted
-    from ..local.replicas import plan, up as do_up, visible_gpus
+    from ..local.replicas import fleet_plan, up as do_up, visible_gpus
 
     gpus_per_replica = gpus_per_replica or SETTINGS.parallel.size
     try:
-        chosen, n = plan(devices, n, gpus_per_replica, visible_gpus() if devices == "auto" else [])
+        groups = fleet_plan(models or ("tiny",), served_names, counts, devices, gpus_per_replica,
+                            visible_gpus() if "auto" in (devices or ("auto",)) else [])
     except ValueError as exc:
         raise click.UsageError(str(exc))
     layout = f", each over {SETTINGS.parallel.size} ranks ({SETTINGS.parallel})" if SETTINGS.parallel.size > 1 else ""
-    console.print(f"up: {n} replica(s) of {model!r} on {'the CPU' if chosen == 'cpu' else 'GPU(s) ' + chosen}"
-                  + (" (--devices auto)" if devices == "auto" else "") + layout)
+    for g in groups:
+        name = f" as {g.served_name!r}" if g.served_name else ""
+        console.print(f"up: {g.n} replica(s) of {g.model!r}{name} on "
+                      f"{'the CPU' if g.devices == 'cpu' else 'GPU(s) ' + g.devices}"
+                      + (" (--devices auto)" if g.auto else "") + layout)
     try:
-        state = do_up(n, model, chosen, threads, gpus_per_replica, timeout, ha=ha)
+        state = do_up(groups, threads, gpus_per_replica, timeout, ha=ha)
     except (RuntimeError, TimeoutError) as exc:
         raise click.ClickException(str(exc))
-    console.print(f"up: {len(state['replicas'])} replica(s) serving {model!r} on {redacted(state['redis_url'])}; "
-                  f"logs in {state['run_dir']}; stop with `replicadp down`")
+    console.print(f"up: {len(state['replicas'])} replica(s) serving {', '.join(map(repr, state['models']))} on "
+                  f"{redacted(state['redis_url'])}; logs in {state['run_dir']}; stop with `replicadp down`")
+
+
+@main.command("forget-model")
+@click.argument("name")
+@redis_url_option()
+def forget_model(name):
+    """Take back the declaration of model NAME (cluster/fleet.py): requests for it are refused from then on.
+    Refused while a replica of it is live or requests wait in its queue (exit 1)."""
+    from replicadp_tasks.cluster import connection, fleet
+
+    from ..api import live_replicas, redis_url
+    from ..ops.status import queue_head
+
+    check_redis()
+    client = connection.client(redis_url())
+    if name not in fleet.declared(client):
+        raise click.ClickException(f"model {name!r} is not declared on this Redis")
+    live, waiting = live_replicas(model=name), sum(queue_head(client, name)[0].values())
+    if live or waiting:
+        raise click.ClickException(f"model {name!r} is still served: {len(live)} live replica(s), {waiting} "
+                                   "request(s) waiting; stop its replicas and let its queue drain (or cancel)")
+    fleet.forget(client, name)
+    console.print(f"forgot model {name!r}: requests for it are refused now")
 
 
 @main.command()
@@ -67,11 +97,17 @@ def down():
 @click.option("--json", "json_out", is_flag=True, help="Print the snapshot as JSON on stdout, once.")
 @redis_url_option()
 def status(watch, json_out):
-    """Live replicas (each one's fast path: the step cache of quality=fast), the request each is running and its
-    step, queue depth, recent throughput."""
+    """Each model the deployment serves (its replicas, queue depth, how long the next request waited, videos/min),
+    and the live replicas (each one's model and fast path: the step cache of quality=fast), the request each is
+    running and its step."""
+    from rich.console import Group
     from rich.live import Live
 
-    from ..ops.status import snapshot, table
+    from ..ops.status import models_table, snapshot, table
+
+    def tables():
+        snap = snapshot()
+        return Group(models_table(snap), table(snap))
 
     if watch and json_out:
         raise click.UsageError("--watch and --json are exclusive: --json prints one snapshot")
@@ -80,12 +116,12 @@ def status(watch, json_out):
         click.echo(json.dumps(snapshot(), indent=1))
         return
     if not watch:
-        console.print(table(snapshot()))
+        console.print(tables())
         return
-    with Live(table(snapshot()), console=console, refresh_per_second=2) as live:
+    with Live(tables(), console=console, refresh_per_second=2) as live:
         try:
             while True:
                 time.sleep(1.0)
-                live.update(table(snapshot()))
+                live.update(tables())
         except KeyboardInterrupt:
             pass

@@ -23,7 +23,7 @@ OPTION_OF = {"prompt": "PROMPT", "negative_prompt": "--negative-prompt", "seed":
              "width": "--size", "num_frames": "--num-frames", "num_inference_steps": "--steps",
              "guidance_scale": "--guidance", "guidance_scale_2": "--guidance-2", "boundary_ratio": "--boundary",
              "fps": "--fps", "image": "--image", "priority": "--priority", "user": "--user", "quality": "--quality",
-             "loras": "--lora"}
+             "loras": "--lora", "model": "--model"}
 
 
 def size_param(ctx, param, value: str) -> tuple[int, int]:
@@ -82,6 +82,21 @@ def image_param(ctx, param, value: str | None) -> str | None:
                                  f"{SETTINGS.max_image_bytes}")
     mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode()}"
+
+
+def model_option(help="The model to run on (default: the deployment's: REPLICADP_DEFAULT_MODEL, else the one "
+                      "it serves).", **kwargs):
+    """--model NAME: a model the deployment serves, resolved in the command (after --redis-url) by chosen_model."""
+    return click.option("--model", metavar="NAME", help=help, **kwargs)
+
+
+def chosen_model(model_for, asked: str | None) -> str:
+    """The model a command's request runs on (client.api.model_for): a usage error naming --model and the served
+    ones (Exit.USAGE) for one the deployment does not serve, or none named where it serves several."""
+    try:
+        return model_for(asked)
+    except InvalidRequest as exc:
+        raise click.BadParameter(str(exc).removeprefix("model="), param_hint="'--model'") from None
 
 
 def redis_url_option(help="Redis to use (default: `replicadp up`'s server, else 127.0.0.1:6379).", *,

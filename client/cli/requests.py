@@ -14,7 +14,8 @@ from replicadp_tasks.contract import DEFAULTS, REFERENCE_SIZE, InvalidRequest, P
 
 from ..progress import console
 from .group import main
-from .options import OPTION_OF, Exit, image_param, lora_param, redis_url_option, size_param, user_param
+from .options import (OPTION_OF, Exit, chosen_model, image_param, lora_param, model_option, redis_url_option,
+                      size_param, user_param)
 
 
 @main.command()
@@ -41,30 +42,35 @@ from .options import OPTION_OF, Exit, image_param, lora_param, redis_url_option,
               "fast: the deployment's step cache, where it has one.")
 @click.option("--lora", "loras", multiple=True, callback=lora_param, metavar="NAME[:SCALE]",
               help="A registered LoRA adapter to run with, and its scale (default: the adapter's); repeat for more.")
+@model_option()
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait; then it is cancelled.")
 @click.option("--json", "json_out", is_flag=True, help="Print the Result as JSON on stdout (all else on stderr).")
 @redis_url_option()
 def generate(prompt, output, size, num_frames, steps, seed, negative_prompt, guidance, guidance_2, boundary, fps,
-             image, priority, user, quality, loras, timeout, json_out):
+             image, priority, user, quality, loras, model, timeout, json_out):
     """Generate one video on the live replicas, with a bar over its denoising steps; exit 0 once it is done."""
     from rich.console import Console
     from rich.markup import escape
 
     from replicadp_tasks.contract import validate_request
 
-    from ..oneshot import generate_one, summary
+    from ..api import check_redis, model_for
+    from ..oneshot import generate_one, need_a_replica, summary
     from ..ops.status import live_accepted
 
     request = {"prompt": prompt, "negative_prompt": negative_prompt, "seed": seed, "width": size[0],
                "height": size[1], "num_frames": num_frames, "num_inference_steps": steps, "guidance_scale": guidance,
                "guidance_scale_2": guidance_2, "boundary_ratio": boundary, "fps": fps, "image": image,
-               "priority": priority, "user": user, "quality": quality, "loras": loras}
+               "priority": priority, "user": user, "quality": quality, "loras": loras, "model": model}
     request = {k: v for k, v in request.items() if v is not None}
-    accepted = live_accepted()
     try:
-        # As the gateway checks: against what the live replicas accept (with none live, the form alone; the
+        # As the gateway checks: the form first, then against what the live replicas of its model accept (the
         # replica checks again).
-        validate_request(request, accepted)
+        validate_request(request)
+        check_redis()
+        need_a_replica()
+        request["model"] = chosen_model(model_for, model)
+        validate_request(request, live_accepted(request["model"]))
     except InvalidRequest as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{OPTION_OF.get(exc.field, exc.field)}'") from None
     err = Console(stderr=True, soft_wrap=True)  # as progress.console: messages are not wrapped
@@ -131,14 +137,15 @@ def cancel(request_id):
               help="For the lines that do not set one (default: normal).")
 @click.option("--user", callback=user_param,
               help="Who the batch is for: lines that do not name one (round robin across users).")
+@model_option(help="The model of the lines that do not name one (default: the deployment's).")
 @redis_url_option()
-def submit(file, results, concurrency, timeout, save_dir, longest_first, priority, user):
+def submit(file, results, concurrency, timeout, save_dir, longest_first, priority, user, model):
     """Submit a batch: JSONL (generate's arguments per line) or plain text (one prompt per line).
 
     Re-running the same file skips the requests that already completed."""
     from ..submit import BatchFileError, run_batch
 
-    defaults = {k: v for k, v in (("priority", priority), ("user", user)) if v is not None}
+    defaults = {k: v for k, v in (("priority", priority), ("user", user), ("model", model)) if v is not None}
     try:
         failed = run_batch(file, results or file.with_name(file.name + ".results.jsonl"), concurrency=concurrency,
                            timeout=timeout, save_dir=save_dir, longest=longest_first, defaults=defaults)

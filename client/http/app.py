@@ -94,8 +94,8 @@ async def fault(_, exc: Exception):
 
 def create_app(*, max_queue: int = 64, sync_timeout: float = 1800.0, api_keys: list[KeyPolicy] = (),
                allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS, docs: bool = False) -> FastAPI:
-    """The gateway's ASGI app. `max_queue`: requests waiting in the shared queue past which new ones get 429;
-    `sync_timeout`: seconds a sync request waits for its video before a 504 (and the request is cancelled);
+    """The gateway's ASGI app. `max_queue`: requests waiting in a model's queue past which new ones for that model
+    get 429; `sync_timeout`: seconds a sync request waits for its video before a 504 (and the request is cancelled);
     `api_keys`: the bearer tokens `/v1` wants, each with its policy (auth.read_keys; none: the API is open);
     `allowed_hosts`: the Host names it answers (guard.allowed_hosts; None: any); `docs`: serve FastAPI's /docs
     and /redoc pages (off: they load their scripts from a CDN, same-origin with /ui)."""

@@ -65,7 +65,9 @@ async def video_form(
                                                              "of the timesteps (default: the model's).")] = None,
     seed: Annotated[int | None, Form()] = None,
     negative_prompt: Annotated[str | None, Form()] = None,
-    model: Annotated[str | None, Form(description="Must be the served model, if given.")] = None,
+    model: Annotated[str | None, Form(description="One of the models this deployment serves (GET /v1/models); "
+                                                   "default: its default model (REPLICADP_DEFAULT_MODEL, else the "
+                                                   "one it serves).")] = None,
     input_reference: Annotated[UploadFile | None, File(description="First frame (TI2V): an image file.")] = None,
     user: Annotated[str | None, Form(description="Who the video is for: waiting requests are served round "
                                                  "robin across users.")] = None,

@@ -18,9 +18,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from replicadp_tasks import app as celery_app, generate
-from replicadp_tasks.cluster import connection, lua
+from replicadp_tasks.cluster import connection, fleet, lua
 from replicadp_tasks.contract import (READY, Accepts, GenerateRequest, InvalidRequest, Priority, RequestState,
-                                      check_priority, keys, queue_lists, validate_request)
+                                      check_priority, choose_model, keys, queue_for, queue_lists, validate_request)
 from replicadp_tasks.outputs import poster_jpeg
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.webhooks import check_allowed
@@ -51,7 +51,7 @@ QUEUE_ORDER_CACHE_S = 1.0
 _QUEUE_ORDER = lua(__package__, "queue_order")
 CANCEL_WATCH_POLL_S = 0.5  # how often a request deleted as it ran is checked until it ends (watch_cancelled)
 CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
-LIVE_CACHE_S = 1.0  # every request asks for the live replicas (a Redis read): at most one read a second
+LIVE_CACHE_S = 1.0  # every request asks for the live replicas and the models (Redis reads): at most one a second
 DISCONNECT_POLL_S = 1.0  # how often a sync request checks whether its client is still there (and the shutdown)
 # A sync request handed over at shutdown: when its client should ask for the job (a restarted gateway serves
 # within a few seconds of its start; the video takes what it takes).
@@ -90,6 +90,12 @@ class Refreshed:
         self._value = await self._read()
         self._read_at = time.monotonic()
 
+    async def refresh(self) -> None:
+        """Read it now (one read at a time: a read under way is waited for, not doubled)."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._refresh())
+        await asyncio.shield(self._reading)
+
     async def get(self):
         stale = time.monotonic() - self._read_at > self._max_age
         if stale and (self._reading is None or self._reading.done()):
@@ -100,22 +106,23 @@ class Refreshed:
 
 
 class Gateway:
-    """One per app (`app.state.gateway`). `max_queue`: requests waiting in the shared queue past which new ones
-    get 429; `sync_timeout`: seconds a sync request waits for its video before a 504. Started and closed by the
-    app's lifespan, on its event loop."""
+    """One per app (`app.state.gateway`). `max_queue`: requests waiting in a model's queue past which new ones for
+    that model get 429; `sync_timeout`: seconds a sync request waits for its video before a 504. Started and closed
+    by the app's lifespan, on its event loop."""
 
     def __init__(self, max_queue: int, sync_timeout: float):
         self.sync_timeout = sync_timeout
         self.redis = connection.async_client(
             redis_url(), REDIS_CONNECTIONS, timeout=REDIS_WAIT_S, retry=Retry(NoBackoff(), REDIS_RETRIES),
             health_check_interval=REDIS_HEALTH_CHECK_S)
-        self.admission = Admission(self.redis, max_queue)
+        self.admission = Admission(self.redis, max_queue, SETTINGS.queue)
         # Not daemon threads: a cancel asked for at shutdown (a sync request cut short) still runs.
         self.cancels = ThreadPoolExecutor(CANCEL_THREADS, thread_name_prefix="cancel")
         self.results = ResultWatch(celery_app.backend, self._on_state)
         self._awaited: dict[str, asyncio.Future] = {}  # task id -> its final result meta, for run_sync
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replicas = Refreshed(self._read_replicas, LIVE_CACHE_S)
+        self._models = Refreshed(self._read_models, LIVE_CACHE_S)
         self._queue_order = Refreshed(self._read_queue_order, QUEUE_ORDER_CACHE_S)
         self._handover_at: float | None = None  # set by `stop`: when waiting sync requests are handed over as jobs
         self._watches: set[asyncio.Task] = set()  # watch_cancelled's
@@ -148,45 +155,73 @@ class Gateway:
         """The live replicas and what each serves (their ReplicaInfo), at most LIVE_CACHE_S old."""
         return await self._replicas.get()
 
-    async def served_models(self) -> list[str]:
-        """What the live replicas serve; with none live, REPLICADP_MODEL (the deployment's model)."""
-        return sorted({r["model"] for r in await self.replicas() if r.get("model")}) or [SETTINGS.model]
+    async def _read_models(self) -> list[str]:
+        # This gateway's REPLICADP_MODELS declared for every producer (a declaration that exists is left as it is).
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model in SETTINGS.models:
+                pipe.hsetnx(keys.MODELS_KEY, model, fleet.declaration(model, SETTINGS.queue, "a gateway"))
+            pipe.hgetall(keys.MODELS_KEY)
+            declared = fleet.parse((await pipe.execute())[-1])
+        return sorted(set(declared) | set(SETTINGS.models))
 
-    async def queue_by_priority(self) -> dict[Priority, int]:
-        """Requests waiting at each priority, highest first."""
+    async def models(self, fresh: bool = False) -> list[str]:
+        """The models this deployment serves (cluster/fleet.py), at most LIVE_CACHE_S old unless `fresh`."""
+        if fresh:
+            await self._models.refresh()
+        return await self._models.get()
+
+    async def choose_model(self, asked: str | None) -> str:
+        """The model a request runs on (contract/models.choose_model), the models read again before a refusal:
+        InvalidRequest naming `model` and the served ones."""
+        try:
+            return choose_model(asked, await self.models(), SETTINGS.default_model)
+        except InvalidRequest:
+            return choose_model(asked, await self.models(fresh=True), SETTINGS.default_model)
+
+    async def queue_by_priority(self, model: str | None = None) -> dict[Priority, int]:
+        """Requests waiting for `model` (None: for every model) at each priority, highest first."""
+        served = [model] if model is not None else await self.models()
         pipe = self.redis.pipeline()
-        for key in queue_lists(SETTINGS.queue):
-            pipe.llen(key)
-        return dict(zip(Priority, await pipe.execute()))
+        for name in served:
+            for key in queue_lists(queue_for(SETTINGS.queue, name)):
+                pipe.llen(key)
+        lengths = await pipe.execute()
+        return {p: sum(lengths[i::len(Priority)]) for i, p in enumerate(Priority)}
 
     async def _read_queue_order(self) -> dict[str, int]:
-        lists = queue_lists(SETTINGS.queue)
-        read = await self.redis.eval(_QUEUE_ORDER, len(lists), *lists, QUEUE_SCAN)
-        order, ahead = {}, 0
-        for length, ids in zip(read[::2], read[1::2]):
-            order.update({task_id.decode(): ahead + i + 1 for i, task_id in enumerate(ids) if task_id})
-            ahead += length
+        order = {}
+        for model in await self.models():
+            lists = queue_lists(queue_for(SETTINGS.queue, model))
+            read = await self.redis.eval(_QUEUE_ORDER, len(lists), *lists, QUEUE_SCAN)
+            ahead = 0
+            for length, ids in zip(read[::2], read[1::2]):
+                order.update({task_id.decode(): ahead + i + 1 for i, task_id in enumerate(ids) if task_id})
+                ahead += length
         return order
 
     async def queue_positions(self) -> dict[str, int]:
-        """Where queued requests wait, by task id: 1 for the next a replica takes, counting every request queued at
-        a higher priority; at most QUEUE_ORDER_CACHE_S old."""
+        """Where queued requests wait, by task id: 1 for the next a replica of its model takes, counting every
+        request queued for that model at a higher priority; at most QUEUE_ORDER_CACHE_S old."""
         return await self._queue_order.get()
 
-    async def queue_depth(self) -> int:
-        """Requests waiting, every priority."""
-        return sum((await self.queue_by_priority()).values())
+    async def queue_depth(self, model: str | None = None) -> int:
+        """Requests waiting for `model` (None: for every model), every priority."""
+        return sum((await self.queue_by_priority(model)).values())
 
     # --- requests ------------------------------------------------------------------------------------------
 
     async def admit(self, form: VideoForm, key: KeyPolicy | None = None) -> Admitted:
-        """Validate as the task will (400), check the key's priority (403) and the model (400), and admit against
-        the queue depth (429). The request goes as the key's tenant (its fairness lane, its webhook secret).
-        Send what it admitted with `send` or `run_sync`."""
-        # What every live replica accepts (any may take it); the task checks again.
-        accepted = accepted_by(await self.replicas())
+        """Choose the model (400), validate as its replicas will (400), check the key's priority (403), and admit
+        against the depth of the model's queue (429). The request goes as the key's tenant (its fairness lane, its
+        webhook secret). Send what it admitted with `send` or `run_sync`."""
         try:
-            kwargs = generate_kwargs(form)
+            model = await self.choose_model(form.model)
+        except InvalidRequest as exc:
+            raise GatewayError(400, str(exc), code=ErrorCode.MODEL_NOT_FOUND, param="model") from None
+        # What every live replica of the model accepts (any of them may take it); the task checks again.
+        accepted = accepted_by([r for r in await self.replicas() if r.get("model") == model])
+        try:
+            kwargs = {**generate_kwargs(form), "model": model}
             if key is not None:
                 kwargs["tenant"] = key.owner
             # In a thread: a webhook's host is resolved to check its addresses (fetch.target), which may take
@@ -199,15 +234,11 @@ class Gateway:
             raise GatewayError(403, f"priority={asked.value!r}: this API key may ask for {key.max_priority.value} at "
                                     f"most ({', '.join(p.value for p in Priority if key.allows(p))})",
                                code=ErrorCode.PRIORITY_NOT_ALLOWED, param="priority")
-        served = await self.served_models()
-        if form.model is not None and form.model not in served:
-            raise GatewayError(400, f"model={form.model!r}: this gateway serves {', '.join(served)}",
-                               code=ErrorCode.MODEL_NOT_FOUND, param="model")
         task_id = str(uuid.uuid4())
-        await self.admission.reserve(task_id)
+        await self.admission.reserve(task_id, model)
         # OpenAI's and vllm-omni's `seconds` is whole seconds; num_frames and fps say the exact length.
         seconds = form.seconds if form.seconds is not None else max(1, round(req.num_frames / req.fps))
-        job = {"model": form.model or served[0], "prompt": req.prompt, "size": f"{req.width}x{req.height}",
+        job = {"model": model, "prompt": req.prompt, "size": f"{req.width}x{req.height}",
                "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps, "priority": asked.value}
         return Admitted(task_id, kwargs, job)
 
@@ -216,7 +247,7 @@ class Gateway:
         generate.apply_async(kwargs=admitted.kwargs, task_id=admitted.task_id)
         # Here in the thread, so that a send cancelled at shutdown still releases after its push. A failed
         # send leaves the reservation to expire.
-        self.admission.release(admitted.task_id)
+        self.admission.release(admitted.task_id, admitted.kwargs["model"])
 
     async def send(self, admitted: Admitted) -> None:
         await asyncio.to_thread(self._publish, admitted)

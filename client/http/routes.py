@@ -167,14 +167,18 @@ async def delete_video(video_id: str, gw: GatewayDep, who: OwnerDep):
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(gw: GatewayDep):
-    """The served model (what the live replicas load; REPLICADP_MODEL while none is live), with the live replicas
-    that serve it and each one's fast path (quality=fast: its step cache)."""
+    """Every model this deployment serves (declared, or loaded by a live replica), with the live replicas that
+    serve it (none: its requests wait for one), each one's fast path (quality=fast: its step cache), and how many
+    requests wait in its queue."""
     live = await gw.replicas()
-    loaded = {r.get("model"): int(r.get("loaded_at", 0)) for r in live}
-    return ModelList(data=[ModelCard(id=m, created=loaded.get(m, 0), replicas=[
-        ModelReplica(name=r["name"], qualities=r.get("qualities") or [Quality.STANDARD], fast_path=fast_path(r),
-                     loras=[a["name"] for a in r.get("loras") or []])
-        for r in live if r.get("model") == m]) for m in await gw.served_models()])
+    cards = []
+    for m in await gw.models():
+        mine = [r for r in live if r.get("model") == m]
+        cards.append(ModelCard(id=m, created=min((int(r.get("loaded_at", 0)) for r in mine), default=0),
+                               queue_depth=await gw.queue_depth(m), replicas=[
+            ModelReplica(name=r["name"], qualities=r.get("qualities") or [Quality.STANDARD], fast_path=fast_path(r),
+                         loras=[a["name"] for a in r.get("loras") or []]) for r in mine]))
+    return ModelList(data=cards)
 
 
 @router.get("/health", response_model=Health, responses={503: {"model": Health}})

@@ -88,7 +88,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "replicadp"
-    replicas: list[ModelReplica] = []  # the live replicas serving it
+    replicas: list[ModelReplica] = []  # the live replicas serving it; none: its requests wait for one
+    queue_depth: int = 0  # requests waiting in its queue
 
 
 class ModelList(BaseModel):

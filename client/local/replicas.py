@@ -13,11 +13,14 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-from replicadp_tasks.settings import STATE_DIR, STATE_FILE
+from replicadp_tasks.cluster import connection, fleet
+from replicadp_tasks.contract import InvalidRequest, check_model_name
+from replicadp_tasks.settings import SETTINGS, STATE_DIR, STATE_FILE
 
 from ..api import live_replicas, use_redis
 from .embedded import SUPERVISOR_PID, EmbeddedServer, die_with_parent, is_supervisor, stop_pid
@@ -26,35 +29,42 @@ from .ha import HAStack
 LAUNCHER = Path(__file__).resolve().parents[2] / "worker_launch.sh"
 
 
-def replica_names(n: int) -> list[str]:
-    return [f"replica{i}@{socket.gethostname()}" for i in range(n)]
+def replica_names(n: int, first: int = 0) -> list[str]:
+    return [f"replica{i}@{socket.gethostname()}" for i in range(first, first + n)]
 
 
 class Replicas:
-    """N replicas run by one worker_launch.sh process (its own process group)."""
+    """N replicas of one model run by one worker_launch.sh process (its own process group), named from
+    replica<first>."""
 
     def __init__(self, n: int, *, redis_url: str, model: str, devices: str = "cpu", threads: int | None = None,
-                 gpus_per_replica: int = 1, log_path: Path, env: dict | None = None, detach: bool = False):
-        self.n, self.log_path, self.redis_url, self.detach = n, Path(log_path), redis_url, detach
+                 gpus_per_replica: int = 1, log_path: Path, env: dict | None = None, detach: bool = False,
+                 first: int = 0):
+        self.n, self.first, self.log_path, self.redis_url, self.detach = n, first, Path(log_path), redis_url, detach
         self.env = {
             **os.environ,
             # The launcher runs `celery` from this interpreter's environment.
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             "REDIS_URL": redis_url, "REPLICADP_MODEL": model, "NUM_REPLICAS": str(n), "DEVICES": devices,
-            "GPUS_PER_REPLICA": str(gpus_per_replica), **(env or {}),
+            "GPUS_PER_REPLICA": str(gpus_per_replica), "FIRST_REPLICA": str(first), **(env or {}),
         }
+        self.model = self.env.get("REPLICADP_SERVED_MODEL_NAME") or model  # the name its requests give
         if threads:
             self.env["THREADS_PER_REPLICA"] = str(threads)
         self.proc: subprocess.Popen | None = None
+        self.declared: list[str] = []  # the models its start declared (cluster/fleet.py)
         self.log_start = 0  # the log's size when the launcher last started: what it wrote since is past it
 
     @property
     def names(self) -> list[str]:
-        return replica_names(self.n)
+        return replica_names(self.n, self.first)
 
     def start(self, timeout: float = 300.0) -> "Replicas":
-        """Start the replicas and return once each holds its model and consumes the queue; RuntimeError as soon as
-        one exits before that (a bad model spec, a misconfigured broker: the launcher would restart it forever)."""
+        """Declare their model (cluster/fleet.py: requests for it wait while they load), start the replicas and
+        return once each holds its model and consumes its queue; RuntimeError as soon as one exits before that (a
+        bad model spec, a misconfigured broker: the launcher would restart it forever)."""
+        self.declared = fleet.declare(connection.client(self.redis_url), [self.model],
+                                      self.env.get("REPLICADP_QUEUE") or SETTINGS.queue, "replicadp up")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.log_start = log.tell()
@@ -103,18 +113,33 @@ class Replicas:
             return re.search(rb"^worker_launch\.sh: replica\d+ exited with status", log.read(), re.M) is not None
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM (replicas finish their running request), then SIGKILL the group if it lingers."""
+        """SIGTERM (replicas finish their running request), then SIGKILL the group if it lingers; then take back
+        the model's declaration if `start` made it and no replica of the model is left (a later deployment of
+        another model on this Redis is not made ambiguous by it)."""
         if self.proc is None:
             return
         stop_group(self.proc.pid, timeout, self.proc)
         self.proc.wait()
         self.proc = None
+        forget_unserved(self.redis_url, self.declared)
+        self.declared = []
 
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def forget_unserved(url: str, models: list[str]) -> None:
+    """Take back the declarations of `models` that no live replica serves (cluster/fleet.py). A Redis that cannot be
+    reached keeps them (`replicadp forget-model` takes one back)."""
+    try:
+        for model in models:
+            if not live_replicas(url=url, model=model):
+                fleet.forget(connection.client(url), model)
+    except redis.exceptions.RedisError:
+        pass
 
 
 def scratch_run(stack: ExitStack, prefix: str, url: str | None = None,
@@ -204,13 +229,59 @@ def plan(devices: str, replicas: int | None, gpus_per_replica: int, visible: lis
     return devices, replicas or max(1, len(ids) // gpus_per_replica)
 
 
-def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: int, timeout: float,
-       ha: bool = False) -> dict:
-    """Start the embedded server (`ha`: the HA stack of ha.py) unless REDIS_URL is set, and `n` replicas."""
+@dataclass(frozen=True)
+class Group:
+    """One model's replicas in a stack that `up` starts: `n` of `model` (a spec) on `devices`, its requests naming
+    it `served_name` (None: the spec)."""
+
+    model: str
+    n: int
+    devices: str
+    served_name: str | None = None
+    auto: bool = False  # the devices were `--devices auto`'s choice
+
+
+def fleet_plan(models: tuple, served_names: tuple, counts: tuple, devices: tuple, gpus_per_replica: int,
+               visible: list[str]) -> list[Group]:
+    """`up --model ... [--served-model-name] [--replicas] [--devices]`'s groups, one a model: each option's values go
+    with the models in their order, one value with every model; `auto` devices are the `visible` GPUs that the
+    models before left. ValueError names the option that does not fit."""
+    def each(option: str, values: tuple, default) -> list:
+        if len(values) > 1 and len(values) != len(models):
+            raise ValueError(f"{option} given {len(values)} times for {len(models)} --model: give it once (for every "
+                             "model) or once per --model")
+        return list(values) * len(models) if len(values) == 1 else list(values) or [default] * len(models)
+
+    names = [name or None for name in each("--served-model-name", served_names, "")]
+    served = [name or model for name, model in zip(names, models)]
+    for name, model in zip(names, served):
+        try:
+            check_model_name(model, "--served-model-name" if name else "--model")
+        except InvalidRequest as exc:
+            raise ValueError(f"{exc} (a model's name; give it another with --served-model-name)") from None
+    twice = next((name for name in served if served.count(name) > 1), None)
+    if twice is not None:
+        raise ValueError(f"two --model serve {twice!r}: give each a --served-model-name of its own")
+    groups, taken = [], set()
+    for model, name, n, where in zip(models, names, each("--replicas", counts, None),
+                                     each("--devices", devices, "auto")):
+        chosen, n = plan(where, n, gpus_per_replica, [g for g in visible if g not in taken])
+        ids = set() if chosen == "cpu" else set(chosen.split(","))
+        if ids & taken:
+            raise ValueError(f"--devices {where}: GPU {','.join(sorted(ids & taken))} is given to another --model too")
+        taken |= ids
+        groups.append(Group(model, n, chosen, name, auto=where == "auto"))
+    return groups
+
+
+def up(groups: list[Group], threads: int | None, gpus_per_replica: int, timeout: float, ha: bool = False) -> dict:
+    """Start the embedded server (`ha`: the HA stack of ha.py) unless REDIS_URL is set, and each group's replicas,
+    one launcher a group, numbered one after another."""
     if STATE_FILE.exists():
         raise RuntimeError(f"already up (state in {STATE_FILE}); run `replicadp down` first")
     run_dir = STATE_DIR / "run"
-    state = {"run_dir": str(run_dir), "model": model, "replicas": replica_names(n)}
+    state = {"run_dir": str(run_dir), "models": [g.served_name or g.model for g in groups], "replicas": [],
+             "launcher_pids": []}
     server = None
     redis_url = os.environ.get("REDIS_URL")
     if redis_url and ha:
@@ -222,18 +293,28 @@ def up(n: int, model: str, devices: str, threads: int | None, gpus_per_replica: 
         state["servers"] = [{"pid": s.proc.pid, "conf": str(s.conf_path)}
                             for s in (server.sentinels + server.nodes if ha else [server])]
     state["redis_url"] = redis_url
-    replicas = Replicas(n, redis_url=redis_url, model=model, devices=devices, threads=threads,
-                        gpus_per_replica=gpus_per_replica, log_path=run_dir / "replicas.log", detach=True)
     try:
         _write_state(state)  # before the replicas start, so `down` can always clean up
-        replicas.start(timeout)
+        first = 0
+        for i, group in enumerate(groups):
+            replicas = Replicas(group.n, redis_url=redis_url, model=group.model, devices=group.devices,
+                                threads=threads, gpus_per_replica=gpus_per_replica, detach=True, first=first,
+                                log_path=run_dir / ("replicas.log" if i == 0 else f"replicas-{i}.log"),
+                                env={"REPLICADP_SERVED_MODEL_NAME": group.served_name} if group.served_name else {})
+            replicas.start(timeout)
+            state["declared"] = state.get("declared", []) + replicas.declared
+            state["launcher_pids"].append(replicas.proc.pid)
+            state["replicas"] += replicas.names
+            _write_state(state)
+            first += group.n
     except BaseException:
+        for pid in state["launcher_pids"]:
+            stop_group(pid, timeout=60)
+        forget_unserved(redis_url, state.get("declared", []))
         if server:
             server.stop()
         STATE_FILE.unlink(missing_ok=True)
         raise
-    state["launcher_pid"] = replicas.proc.pid
-    _write_state(state)
     return state
 
 
@@ -242,8 +323,10 @@ def down() -> dict | None:
         state = json.loads(STATE_FILE.read_text())
     except FileNotFoundError:
         return None
-    if state.get("launcher_pid") and _is_launcher(state["launcher_pid"]):
-        stop_group(state["launcher_pid"], timeout=60)
+    for pid in state.get("launcher_pids", []):
+        if _is_launcher(pid):
+            stop_group(pid, timeout=60)
+    forget_unserved(state["redis_url"], state.get("declared", []))
     _stop_server(state)
     STATE_FILE.unlink(missing_ok=True)
     return state

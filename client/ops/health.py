@@ -4,7 +4,7 @@ A known Celery failure: after a broker reconnect a worker can go on answering co
 `celery inspect ping` and in Flower) while it no longer takes requests from the queue. A ping cannot see that,
 so the check asks for progress too. Healthy means all of:
   - the replica answers a ping (its main process and event loop run);
-  - it consumes the shared queue;
+  - it consumes its model's queue;
   - running a request: the request's denoising step changed within `stall_s` (a hung pool child fails this);
   - idle: the request a replica takes next has not waited `stall_s` (idle beside waiting work fails this).
 A PROGRESS update carries no time, so the step last seen, and since when, is kept in Redis between checks.
@@ -23,11 +23,11 @@ from celery.utils.nodenames import host_format
 
 from replicadp_tasks import app
 from replicadp_tasks.cluster import connection
-from replicadp_tasks.contract import keys
+from replicadp_tasks.contract import keys, queue_for
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import redis_url
-from .status import queue_head, waited_s
+from .status import queue_head, replica_info, waited_s
 
 # No progress for this long is unhealthy: well above one denoising step or the VAE decode of the largest
 # request (1280x720, 121 frames) on a slow GPU, well below the hard time limit (1800 s).
@@ -56,15 +56,17 @@ def check(name: str, stall_s: float = STALL_S, timeout: float = REPLY_TIMEOUT_S)
     if active[name]:
         return _progress(client, name, active[name][0]["id"], stall_s, now)
     client.delete(keys.SEEN_KEY + name)
-    if not any(q["name"] == SETTINGS.queue for q in queues[name]):
-        return Verdict(False, f"{name}: idle and not consuming queue {SETTINGS.queue!r} (still loading its model, "
-                              "or its consumer was lost)")
-    _, head = queue_head(client)
+    model = replica_info(client, [name])[name].get("model")
+    queue = queue_for(SETTINGS.queue, model) if model else None
+    if queue is None or not any(q["name"] == queue for q in queues[name]):
+        return Verdict(False, f"{name}: idle and not consuming " + (f"queue {queue!r}" if queue else "its model's "
+                              "queue") + " (still loading its model, or its consumer was lost)")
+    _, head = queue_head(client, model)
     waited = waited_s(head, now)
     if waited is not None and waited > stall_s:
         return Verdict(False, f"{name}: idle while request {head.get('id')} has waited {waited:.0f} s in queue "
-                              f"{SETTINGS.queue!r} (alive but not consuming)")
-    return Verdict(True, f"{name}: idle, consuming {SETTINGS.queue!r}")
+                              f"{queue!r} (alive but not consuming)")
+    return Verdict(True, f"{name}: idle, consuming {queue!r}")
 
 
 def _progress(client, name: str, task_id: str, stall_s: float, now: float) -> Verdict:

@@ -1,6 +1,7 @@
 """`replicadp metrics`: a Prometheus endpoint with what Flower's /metrics lacks.
 
-Read from Redis on each scrape: the shared queue's depth and how long its next request has waited. Kept from
+Read from Redis on each scrape, for each model the deployment serves (label `model`): its queue's depth, at each
+priority, and how long its next request has waited: what an autoscaler scales each model's replicas on. Kept from
 Celery's event stream (task events are on, celeryconfig.py): each replica's busy/idle state (its heartbeat
 carries how many requests it runs), requests completed and failed per replica, and histograms of latency
 (sent to succeeded) and queue wait (sent to started). Counters and histograms start at zero with the exporter
@@ -23,8 +24,8 @@ from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract import keys
 from replicadp_tasks.settings import SETTINGS
 
-from ..api import redis_url
-from .status import queue_head, waited_s
+from ..api import live_replicas, redis_url
+from .status import models, queue_head, replica_info, waited_s
 
 log = logging.getLogger("replicadp.metrics")
 
@@ -72,7 +73,8 @@ class Exporter:
         """Called on each scrape."""
         up = GaugeMetricFamily("replicadp_redis_up", "1 if Redis answered this scrape")
         try:
-            depths, head = queue_head(self.redis)
+            served = models(self.redis, replica_info(self.redis, live_replicas(url=redis_url())))
+            heads = {model: queue_head(self.redis, model) for model in served}
             stats, dead = self.redis.hgetall(keys.STATS_KEY), self.redis.llen(keys.DEAD_KEY)
         except redis.exceptions.RedisError as exc:
             log.warning("scrape: Redis: %s", exc)
@@ -81,21 +83,7 @@ class Exporter:
         else:
             up.add_metric([], 1)
             yield up
-            yield GaugeMetricFamily("replicadp_queue_depth", f"Requests waiting in queue {SETTINGS.queue!r}",
-                                    value=sum(depths.values()))
-            by_priority = GaugeMetricFamily("replicadp_queue_depth_by_priority",
-                                            f"Requests waiting in queue {SETTINGS.queue!r} at each priority",
-                                            labels=["priority"])
-            for priority, n in depths.items():
-                by_priority.add_metric([str(priority)], n)
-            yield by_priority
-            waited = waited_s(head, time.time())
-            waited = float("nan") if waited is None else waited
-            yield GaugeMetricFamily("replicadp_queue_next_age_seconds", "How long the request a replica takes "
-                                    "next has waited (0: queue empty)", value=waited)
-            # Its old name: the next request is not the oldest (fair queuing puts other users' newer ones first).
-            yield GaugeMetricFamily("replicadp_queue_oldest_age_seconds", "Deprecated, not the oldest: "
-                                    "replicadp_queue_next_age_seconds under its old name", value=waited)
+            yield from self.queues(heads, time.time())
             # Kept in Redis by the replicas, so these count since the data began, not since this exporter did.
             yield CounterMetricFamily("replicadp_messages_refused", "Messages on the queue that replicas refused "
                                       "(not a request they serve; see replicadp:dead)",
@@ -117,6 +105,27 @@ class Exporter:
         for hostname, active in live:
             busy.add_metric([hostname], 1 if active else 0)
         yield busy
+
+    @staticmethod
+    def queues(heads: dict, now: float):
+        """The gauges of each model's queue, from {model: queue_head(model)}."""
+        depth = GaugeMetricFamily("replicadp_queue_depth", f"Requests waiting in a model's queue "
+                                  f"({SETTINGS.queue}.<model>)", labels=["model"])
+        by_priority = GaugeMetricFamily("replicadp_queue_depth_by_priority", "Requests waiting in a model's queue "
+                                        "at each priority", labels=["model", "priority"])
+        next_age = GaugeMetricFamily("replicadp_queue_next_age_seconds", "How long the request a model's replica "
+                                     "takes next has waited (0: its queue is empty)", labels=["model"])
+        # Its old name: the next request is not the oldest (fair queuing puts other users' newer ones first).
+        oldest = GaugeMetricFamily("replicadp_queue_oldest_age_seconds", "Deprecated, not the oldest: "
+                                   "replicadp_queue_next_age_seconds under its old name", labels=["model"])
+        for model, (depths, head) in heads.items():
+            depth.add_metric([model], sum(depths.values()))
+            for priority, n in depths.items():
+                by_priority.add_metric([model, str(priority)], n)
+            waited = waited_s(head, now)
+            for family in (next_age, oldest):
+                family.add_metric([model], float("nan") if waited is None else waited)
+        yield from (depth, by_priority, next_age, oldest)
 
     def receive_forever(self) -> None:
         """Consume the event stream; reconnect when Redis goes away."""

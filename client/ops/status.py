@@ -1,6 +1,7 @@
-"""`replicadp status`: live replicas, what each is running and at which step, queue depth, throughput.
-Also the read side that `metrics` and `health` share: the shared queue's depth and its next request; and what the
-live replicas accept, which `generate` and `submit` check a request against before sending it."""
+"""`replicadp status`: each model the deployment serves (its replicas, queue depth, wait, throughput), and the live
+replicas, what each is running and at which step. Also the read side that `metrics` and `health` share: a model's
+queue depth and its next request; and what the live replicas of a model accept, which `generate` and `submit`
+check a request against before sending it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from rich.table import Table
 
 from replicadp_tasks import app
 from replicadp_tasks.broker import next_request
-from replicadp_tasks.cluster import connection, heartbeat
-from replicadp_tasks.contract import Accepts, Phase, Priority, Quality, keys
+from replicadp_tasks.cluster import connection, fleet, heartbeat
+from replicadp_tasks.contract import Accepts, Phase, Priority, Quality, keys, queue_for
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import live_replicas, redis_client, redis_url
@@ -49,20 +50,27 @@ def accepted_by(infos: list[dict]) -> Accepts:
                    requires_image=any(i.get("requires_image") for i in infos), loras=loras)
 
 
-def live_accepted(timeout: float = 1.0) -> Accepts:
-    """What the live replicas accept, read once from Redis; Accepts() while none is live or Redis is unreachable
-    (the send that follows says which)."""
+def live_accepted(model: str, timeout: float = 1.0) -> Accepts:
+    """What the live replicas of `model` accept, read once from Redis; Accepts() while none is live or Redis is
+    unreachable (the send that follows says which)."""
     try:
-        return accepted_by(list(replica_info(redis_client(redis_url(), timeout), live_replicas(timeout)).values()))
+        infos = replica_info(redis_client(redis_url(), timeout), live_replicas(timeout)).values()
     except redis.RedisError:
         return Accepts()
+    return accepted_by([info for info in infos if info.get("model") == model])
 
 
-def queue_head(client, queue: str = SETTINGS.queue) -> tuple[dict[Priority, int], dict | None]:
-    """How many requests wait at each priority, and the headers of the request a replica takes next (None when
-    the queue is empty, {} when it is not a request): the head of the highest priority's list that is not empty
-    (broker/placement.py)."""
-    depths, raw = next_request(client, queue)
+def models(client, infos: dict) -> list[str]:
+    """Every model the deployment serves: declared (fleet.py, REPLICADP_MODELS) or loaded by a live replica."""
+    return sorted(set(fleet.declared(client)) | set(SETTINGS.models) | {i["model"] for i in infos.values()
+                                                                        if i.get("model")})
+
+
+def queue_head(client, model: str) -> tuple[dict[Priority, int], dict | None]:
+    """How many requests wait for `model` at each priority, and the headers of the request one of its replicas
+    takes next (None when its queue is empty, {} when that is not a request): the head of the highest priority's
+    list that is not empty (broker/placement.py)."""
+    depths, raw = next_request(client, queue_for(SETTINGS.queue, model))
     if raw is None:
         return depths, None
     try:  # anything can be pushed onto the queue; a replica refuses what is not a request, a reader shows none
@@ -81,9 +89,24 @@ def waited_s(headers: dict | None, now: float) -> float | None:
     return max(0.0, now - sent_at) if isinstance(sent_at, (int, float)) else None
 
 
+def model_row(client, model: str, infos: dict, serving: list[str], now: float) -> dict:
+    """One model as `status` shows it: its live replicas (serving, and loading), its queue, its videos/min."""
+    depths, head = queue_head(client, model)
+    mine = [name for name, info in infos.items() if info.get("model") == model]
+    pipe = client.pipeline()
+    for minutes in THROUGHPUT_WINDOWS_MIN:
+        pipe.zcount(keys.completed_key(model), now - 60 * minutes, now)
+    done = pipe.execute()
+    return {"name": model, "queue": queue_for(SETTINGS.queue, model), "replicas": len(mine),
+            "serving": sum(name in serving for name in mine), "queue_depth": sum(depths.values()),
+            "queue_by_priority": {str(p): n for p, n in depths.items()}, "oldest_wait_s": waited_s(head, now),
+            **{f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, done)}}
+
+
 def snapshot() -> dict:
-    """Every live replica (serving, or loading its model), what it runs and at which step, the queue and the
-    throughput: from Redis alone (the replicas' heartbeats, heartbeat.py), a few milliseconds."""
+    """Every model the deployment serves (its replicas, queue and throughput), every live replica (serving, or
+    loading its model), what it runs and at which step, and the totals: from Redis alone (the replicas'
+    heartbeats, heartbeat.py), a few milliseconds."""
     client = connection.client(redis_url(), socket_connect_timeout=3)
     beats = heartbeat.read(client, SETTINGS.replica_stale_s)
     names = sorted(beats.serving + beats.standby)
@@ -104,24 +127,37 @@ def snapshot() -> dict:
             "running_s": time.time() - running["started_at"] if running else None,
         })
     now = time.time()
-    depths, head = queue_head(client)
+    rows = [model_row(client, model, info, beats.serving, now) for model in models(client, info)]
     pipe = client.pipeline()
     for minutes in THROUGHPUT_WINDOWS_MIN:
         pipe.zcount(keys.COMPLETED_KEY, now - 60 * minutes, now)
     done = pipe.execute()
-    return {"replicas": replicas, "queue": SETTINGS.queue, "queue_depth": sum(depths.values()),
-            "queue_by_priority": {str(p): n for p, n in depths.items()}, "oldest_wait_s": waited_s(head, now),
+    return {"models": rows, "replicas": replicas, "queue_depth": sum(r["queue_depth"] for r in rows),
             **{f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, done)}}
 
 
-def table(snap: dict) -> Table:
-    """A snapshot as the table `replicadp status` prints: one row per replica, the queue in the title."""
-    wait = snap["oldest_wait_s"]
-    waited = f", the next waited {wait:.0f} s" if snap["queue_depth"] and wait is not None else ""
+def models_table(snap: dict) -> Table:
+    """A snapshot's models as `replicadp status` prints them: one row per model, the totals in the title."""
     rates = ", ".join(f"{snap[f'videos_per_min_{m}m']:.1f} ({m} min)" for m in THROUGHPUT_WINDOWS_MIN)
-    split = ", ".join(f"{p} {n}" for p, n in snap["queue_by_priority"].items() if n)
-    split = f" ({split})" if snap["queue_depth"] else ""
-    t = Table(title=f"queue {snap['queue']!r}: {snap['queue_depth']} waiting{split}{waited}; videos/min {rates}")
+    t = Table(title=f"{snap['queue_depth']} waiting; videos/min {rates}")
+    for col in ("model", "replicas", "queue", "waiting", "next waited", "videos/min (1, 5, 15 min)"):
+        t.add_column(col)
+    for m in snap["models"]:
+        split = ", ".join(f"{p} {n}" for p, n in m["queue_by_priority"].items() if n)
+        wait = m["oldest_wait_s"]
+        t.add_row(m["name"], f"{m['serving']} serving" + (f", {m['replicas'] - m['serving']} loading"
+                                                           if m["replicas"] > m["serving"] else ""),
+                  m["queue"], f"{m['queue_depth']}" + (f" ({split})" if split else ""),
+                  f"{wait:.0f} s" if m["queue_depth"] and wait is not None else "-",
+                  ", ".join(f"{m[f'videos_per_min_{n}m']:.1f}" for n in THROUGHPUT_WINDOWS_MIN))
+    if not snap["models"]:
+        t.caption = "no model declared or served"
+    return t
+
+
+def table(snap: dict) -> Table:
+    """A snapshot's replicas as the table `replicadp status` prints: one row per replica."""
+    t = Table(title="replicas")
     for col in ("replica", "device", "model", "fast path", "serving", "request", "denoising", "step", "running"):
         t.add_column(col)
     for r in snap["replicas"]:

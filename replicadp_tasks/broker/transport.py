@@ -73,8 +73,9 @@ def refuse(raw: bytes, exc: MessageRefused, queue: str) -> None:
 
 
 def serves(queue: str) -> bool:
-    """Whether `queue` carries requests (else: a control reply a client waits for, which is not checked)."""
-    return queue == SETTINGS.queue or queue.startswith(STANDBY_PREFIX)
+    """Whether `queue` carries requests (a model's queue, `<REPLICADP_QUEUE>.<model>`, or a replica's standby
+    queue; else: a control reply a client waits for, which is not checked)."""
+    return queue == SETTINGS.queue or queue.startswith((f"{SETTINGS.queue}.", STANDBY_PREFIX))
 
 
 class QoS(kombu_redis.QoS):

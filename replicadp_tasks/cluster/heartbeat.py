@@ -5,9 +5,9 @@ from a late one and waits out its whole timeout (a second) every time. So each r
 every BEAT_S from a thread, into one of two sorted sets, replica name -> Redis's time of the beat (one clock for
 every host):
 
-- `replicadp:serving` while it consumes the shared queue: its pool child holds the model and it takes requests;
+- `replicadp:serving` while it consumes its model's queue: its pool child holds the model and it takes requests;
 - `replicadp:standby` while it does not: its pool child is loading (or reloading) the model, it is stopping, or
-  its consumer of the shared queue was cancelled;
+  its consumer of its model's queue was cancelled;
 
 and records the request its pool child runs in `replicadp:running`. A change of state is in Redis within
 WATCH_S (the thread looks at the consumer that often, without Redis); a replica that dies without a word
@@ -26,8 +26,8 @@ from typing import Callable, NamedTuple, TypedDict
 
 import redis
 
-from ..contract.keys import RUNNING_KEY, SERVING_KEY, STANDBY_KEY
-from . import connection
+from ..contract.keys import MODELS_KEY, RUNNING_KEY, SERVING_KEY, STANDBY_KEY
+from . import connection, fleet
 from .scripts import lua
 
 log = logging.getLogger("replicadp")
@@ -60,7 +60,7 @@ def _fresh(now_reply, members, stale_s: float) -> list[str]:
 
 
 def read(client: redis.Redis, stale_s: float) -> Beats:
-    """Every live replica, serving (`serving`: those that hold their model and consume the shared queue) or not,
+    """Every live replica, serving (`serving`: those that hold their model and consume its model's queue) or not,
     and the request each runs: one round trip."""
     pipe = client.pipeline(transaction=False)
     pipe.time()
@@ -75,12 +75,14 @@ def read(client: redis.Redis, stale_s: float) -> Beats:
 
 class Heartbeat:
     """In a replica's main process: `run()` beats from a thread until `leave()`. `consuming()` says whether the
-    replica takes requests from the shared queue now, `running()` what its pool child runs; both are called
-    from the thread, so they only read."""
+    replica takes requests from its model's queue now, `running()` what its pool child runs; both are called
+    from the thread, so they only read. Each beat declares the replica's `model` (fleet.py), queued under
+    `prefix`."""
 
     def __init__(self, name: str, url: str, stale_s: float, consuming: Callable[[], bool],
-                 running: Callable[[], Running | None]):
+                 running: Callable[[], Running | None], model: str, prefix: str):
         self.name, self.stale_s = name, stale_s
+        self.model, self.declared = model, fleet.declaration(model, prefix, name)
         self.consuming, self.running = consuming, running
         # Its own connection, short timeouts: a beat that fails is retried at the next one.
         self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
@@ -110,8 +112,8 @@ class Heartbeat:
 
     def beat(self, consuming: bool, running: Running | None) -> None:
         on, off = (SERVING_KEY, STANDBY_KEY) if consuming else (STANDBY_KEY, SERVING_KEY)
-        self._beat(keys=[on, off, RUNNING_KEY], args=[self.name, json.dumps(running) if running else "",
-                                                       self.stale_s])
+        self._beat(keys=[on, off, RUNNING_KEY, MODELS_KEY], args=[
+            self.name, json.dumps(running) if running else "", self.stale_s, self.model, self.declared])
 
     def leave(self) -> None:
         """At the end of a warm shutdown: stop beating and take this replica out of the heartbeats at once."""

@@ -15,14 +15,18 @@ REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # --- written by the replica's pool child ------------------------------------------------------------------
 REPLICA_KEY = "replicadp:replica:"  # + replica name: JSON ReplicaInfo, what it serves (after its model loaded)
 COMPLETED_KEY = "replicadp:completed"  # sorted set, request_id -> completion time, the last hour (throughput)
+# + ":" + model name: the same, of one model's requests (its videos/min)
 ATTEMPTS_KEY = "replicadp:attempts:"  # + task id: how many times a delivery of it has started
 FENCE_KEY = "replicadp:lock:"  # + request_id: the FenceToken of the delivery computing it (cluster/fence.py)
 STORE_KEY = "replicadp:store:"  # + request_id + ".mp4" / ".json": the video and its Result (REPLICADP_STORE=redis)
 
+# --- written by a replica's main process, by `up` and by any process that REPLICADP_MODELS names models for ---
+MODELS_KEY = "replicadp:models"  # hash, model name -> JSON cluster.fleet.Declared: the models the deployment serves
+
 # --- written by the replica's main process ----------------------------------------------------------------
 ALIVE_KEY = "replicadp:alive:"  # + replica name: the lease heartbeat (replica/leases.py), expires a lease after its last renewal
 # Who serves (heartbeat.py): sorted sets, replica name -> Redis's time of its last beat (every second), in
-# SERVING_KEY while it consumes the shared queue, in STANDBY_KEY while it does not (its pool child loading)
+# SERVING_KEY while it consumes its model's queue, in STANDBY_KEY while it does not (its pool child loading)
 SERVING_KEY = "replicadp:serving"
 STANDBY_KEY = "replicadp:standby"
 RUNNING_KEY = "replicadp:running"  # hash, replica name -> JSON heartbeat.Running: the request its pool child runs
@@ -66,6 +70,11 @@ ADMITTING_KEY = "replicadp:http:admitting:"  # + queue: sorted set, task id -> a
 
 # --- written by `replicadp health` ------------------------------------------------------------------------
 SEEN_KEY = "replicadp:health:"  # + replica name: {"task", "step", "since"}, the progress last seen
+
+
+def completed_key(model: str) -> str:
+    """COMPLETED_KEY of one model's requests."""
+    return f"{COMPLETED_KEY}:{model}"
 
 
 def fence_key(request_id: str) -> str:

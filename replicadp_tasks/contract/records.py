@@ -58,7 +58,7 @@ class Result(TypedDict, total=False):
     request_id: str
     replica: str
     device: str
-    model: str
+    model: str  # the name of the model that made it (the replica's REPLICADP_SERVED_MODEL_NAME)
     params: dict  # GenerateRequest.params(): every input that changes the output, the image by its hash
     input_key: str  # sha256 of params and model (validate.input_key)
     frames_sha256: str
@@ -81,7 +81,8 @@ class ReplicaInfo(TypedDict):
     """What a replica serves, under REPLICA_KEY + name once its model is loaded."""
 
     name: str
-    model: str
+    model: str  # the name requests give for it (REPLICADP_SERVED_MODEL_NAME), its queue's
+    checkpoint: str  # what it loaded: its spec (tiny, a folder, a hub id)
     device: str
     size_multiple: int
     accepts_image: bool

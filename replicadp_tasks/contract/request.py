@@ -18,6 +18,7 @@ from typing import Mapping
 
 from .errors import InvalidRequest
 from .keys import REQUEST_ID_RE
+from .models import check_model_name
 from .scheduling import check_priority, check_tenant, check_user
 from .webhook import Webhook, check_webhook
 
@@ -71,7 +72,10 @@ OPTIONAL_FIELDS = (*TWO_EXPERT_FIELDS, "loras")
 SCHEDULING_FIELDS = ("priority", "tenant", "user")
 # How the request is told of its events (webhook.py), not what it makes: checked here, never part of its identity.
 WEBHOOK_FIELDS = ("webhook", "webhook_events")
-FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS, *WEBHOOK_FIELDS)
+# Which model runs it (models.py): its queue, not its identity (a replica's identity names its checkpoint).
+ROUTING_FIELDS = ("model",)
+NOT_INPUTS = (*SCHEDULING_FIELDS, *WEBHOOK_FIELDS, *ROUTING_FIELDS)
+FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS, *WEBHOOK_FIELDS, *ROUTING_FIELDS)
 REFERENCE_SIZE = f"{DEFAULTS['width']}x{DEFAULTS['height']}"
 REFERENCE_WORK = DEFAULTS["height"] * DEFAULTS["width"] * DEFAULTS["num_frames"] * DEFAULTS["num_inference_steps"]
 
@@ -317,8 +321,9 @@ def validate_request(kwargs: dict, accepts: Accepts = Accepts(), *, max_prompt_c
     check_priority(kwargs.get("priority"))
     check_tenant(kwargs.get("tenant"))
     check_user(kwargs.get("user"))
-    v = {**DEFAULTS, **accepts.defaults, **{k: x for k, x in kwargs.items()
-                                           if x is not None and k not in SCHEDULING_FIELDS + WEBHOOK_FIELDS}}
+    if kwargs.get("model") is not None:
+        check_model_name(kwargs["model"])
+    v = {**DEFAULTS, **accepts.defaults, **{k: x for k, x in kwargs.items() if x is not None and k not in NOT_INPUTS}}
 
     for side in ("height", "width"):
         _int(side, v[side], accepts.size_multiple, MAX_SIDE)

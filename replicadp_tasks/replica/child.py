@@ -15,7 +15,8 @@ from redis import Redis
 from ..broker.transport import record_dead
 from ..cluster import fence
 from ..contract.errors import PoisonRequest, RequestCancelled
-from ..contract.keys import ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken
+from ..contract.keys import (ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken,
+                             completed_key)
 from ..contract.records import RequestState
 from ..model.pipeline import PipelineHolder
 from ..settings import SETTINGS
@@ -86,10 +87,11 @@ class PoolChild:
         trip); returns whether it was."""
         now = time.time()
         pipe = self.redis.pipeline()
-        pipe.zadd(COMPLETED_KEY, {request_id: now})
-        pipe.zremrangebyscore(COMPLETED_KEY, 0, now - 3600)
+        for completed in (COMPLETED_KEY, completed_key(SETTINGS.served_model_name)):
+            pipe.zadd(completed, {request_id: now})
+            pipe.zremrangebyscore(completed, 0, now - 3600)
         fence.release_unless(pipe, fence_key, tok, CANCEL_KEY + task_id)
-        return not pipe.execute()[2]
+        return not pipe.execute()[-1]
 
     def acknowledge(self, delivery_tag: str) -> None:
         """Acknowledge a message as its replica's main process would (kombu's `unacked` and its index), for a

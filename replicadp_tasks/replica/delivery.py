@@ -23,6 +23,7 @@ from ..cluster import fence, replication
 from ..cluster.fence import FenceAnswer, FenceState
 from ..contract.errors import GroupLost, ReplicaDPError, RequestCancelled, RequestIdConflict
 from ..contract.keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
+from ..contract.models import check_served
 from ..contract.records import Phase, Progress, RequestState, Result
 from ..contract.request import GenerateRequest, input_key, validate_request
 from ..contract.webhook import Event
@@ -66,9 +67,10 @@ class Delivery:
 
     @classmethod
     def of(cls, task, kwargs: dict, started: float) -> "Delivery":
-        """Validate `kwargs` for the loaded model (InvalidRequest names the field), check its webhook against this
-        deployment's policy, and load its first frame."""
+        """Validate `kwargs` for the loaded model (InvalidRequest names the field), which it must name if it names
+        one, check its webhook against this deployment's policy, and load its first frame."""
         me = child.current()
+        check_served(kwargs.get("model"), SETTINGS.served_model_name)
         req = validate_request(kwargs, me.pipeline.accepts, max_prompt_chars=SETTINGS.max_prompt_chars,
                                max_work=SETTINGS.max_work)
         check_allowed(req.webhook)
@@ -219,7 +221,8 @@ class Delivery:
         sent_at = self.context.get("replicadp_sent_at")
         return video, Result(
             request_id=self.request_id, replica=self.token.replica, device=describe_device(pipeline.device),
-            model=SETTINGS.model, params=self.params, input_key=self.input_key, frames_sha256=frames_sha256(frames),
+            model=SETTINGS.served_model_name, params=self.params, input_key=self.input_key,
+            frames_sha256=frames_sha256(frames),
             video_sha256=hashlib.sha256(video).hexdigest(),
             timings={
                 "queued_s": round(self.started - sent_at, 4) if sent_at else None,
