@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,8 @@ from helpers import SYNTHETIC, declare, lasting, model_queue, parent_of, queue_d
 from test_http import gateway, multipart
 
 from client.api import _app_for
+from replicadp_tasks.cluster import connection
+from replicadp_tasks.cluster.fleet import Fleet
 from replicadp_tasks.contract import InvalidRequest
 from replicadp_tasks.contract.keys import ATTEMPTS_KEY
 
@@ -241,3 +244,20 @@ def test_isolation_protocol_on_a_mixed_model_batch(pair, tmp_path):
     assert (iso["matched"], iso["mismatched"], iso["passed"]) == (16, 0, True), iso["mismatches"]
     assert {m: (share["completed"], share["replicas"]) for m, share in rep["per_model"].items()} == \
         {m: (8, [name]) for m, name in pair.replica.items()}
+
+
+def test_a_producer_waits_for_a_first_declaration_and_then_refuses(redis_db):
+    """A producer on a deployment that declares no model yet (its first replica is starting) waits for the first
+    declaration instead of refusing at once, and routes by it; with none in its patience, it refuses naming
+    `model`."""
+    url = redis_db()
+    waiting = Fleet(connection.client(url), (), None, patience_s=30)
+    timer = threading.Timer(1.0, declare, (url, "late"))
+    timer.start()
+    try:
+        assert waiting.choose(None) == "late"
+    finally:
+        timer.cancel()
+    impatient = Fleet(connection.client(redis_db()), (), None, patience_s=1)
+    with pytest.raises(InvalidRequest, match="none given, and this deployment serves none yet"):
+        impatient.choose(None)

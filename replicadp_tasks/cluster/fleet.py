@@ -21,7 +21,7 @@ from ..contract.keys import MODELS_KEY
 from ..contract.models import choose_model, queue_for
 
 
-RETRY_S = 0.5  # between a producer's first reads of the models while Redis does not answer
+RETRY_S = 0.5  # between a producer's reads of the models while Redis does not answer, or declares none
 
 
 class Declared(TypedDict):
@@ -90,8 +90,13 @@ class Fleet:
         return self._known
 
     def choose(self, asked) -> str:
-        """The model a request runs on (contract/models.choose_model), read again before a refusal."""
+        """The model a request runs on (contract/models.choose_model), read again before a refusal. While the
+        deployment declares no model at all (its first replica is starting: it declares its model within a second
+        of its start), for up to `patience_s`, as a send waits for Redis itself."""
         try:
             return choose_model(asked, self.known(), self.default)
         except InvalidRequest:
-            return choose_model(asked, self.known(fresh=True), self.default)
+            deadline = time.monotonic() + self.patience_s
+            while not self.known(fresh=True) and time.monotonic() < deadline:
+                time.sleep(RETRY_S)
+            return choose_model(asked, self._known, self.default)
