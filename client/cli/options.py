@@ -96,7 +96,8 @@ def chosen_model(model_for, asked: str | None) -> str:
     try:
         return model_for(asked)
     except InvalidRequest as exc:
-        raise click.BadParameter(str(exc).removeprefix("model="), param_hint="'--model'") from None
+        raise click.BadParameter(str(exc).removeprefix("model=").removeprefix("model: "),
+                                 param_hint="'--model'") from None
 
 
 def redis_url_option(help="Redis to use (default: `replicadp up`'s server, else 127.0.0.1:6379).", *,
