@@ -1,7 +1,8 @@
 """A fleet of models in one deployment (issue #56): each request names its model (or takes the default) and lands
 only on replicas of that model, through Python, HTTP, the CLI and Celery's own CLI; a killed replica's request is
-redone by a replica of its own model; one model's replicas all down leave its requests waiting while the other
-model serves on; and the isolation protocol holds on a batch of both models."""
+redone by a replica of its own model; priorities hold within each model, and one model's backlog holds up no other;
+one model's replicas all down leave its requests waiting while the other model serves on; and the isolation
+protocol holds on a batch of both models."""
 
 import json
 import os
@@ -86,6 +87,24 @@ def test_a_killed_replicas_request_is_redone_by_a_replica_of_its_own_model(synth
     assert int(synthetic.redis.get(ATTEMPTS_KEY + result.id)) == 2
     wait_for(lambda: set(synthetic.final.names) <= synthetic.final.serving(), "the killed replica to serve again",
              timeout=120)
+
+
+def test_priorities_hold_within_each_model_and_one_models_backlog_holds_no_other(synthetic):
+    """`draft`'s one replica busy with a long request: a batch request for `draft`, then an interactive one, wait,
+    and the interactive one is served first; a batch request for `final`, sent after both, completes while `draft`'s
+    replica still runs its long request: it never waited behind `draft`'s queue."""
+    busy = send(synthetic, "draft", lasting(6, prompt="busy"))
+    wait_for_step(synthetic, busy.id, 1)
+    batch = send(synthetic, "draft", {**SHORT, "priority": "batch", "seed": 1})
+    interactive = send(synthetic, "draft", {**SHORT, "priority": "interactive", "seed": 2})
+    final = send(synthetic, "final", {**SHORT, "priority": "batch", "seed": 3})
+    assert final.get(timeout=60)["model"] == "final"
+    assert not busy.ready()
+    for result in (busy, batch, interactive):
+        assert result.get(timeout=60)["model"] == "draft"
+    done = {name: synthetic.app.AsyncResult(r.id).date_done for name, r in (("batch", batch),
+                                                                           ("interactive", interactive))}
+    assert done["interactive"] < done["batch"], done
 
 
 def test_a_request_naming_another_model_is_refused_by_the_replica_it_reaches(synthetic):
