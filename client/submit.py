@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from replicadp_tasks.contract import (DEFAULTS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, Accepts, InvalidRequest,
-                                      validate_request)
+                                      repeated_key, validate_request)
 
 from .api import check_redis, fetch_video, model_for, run_requests
 from .ops.status import live_accepted
@@ -53,10 +53,9 @@ class DuplicateKey(Exception):
 
 def unique_keys(pairs: list[tuple]) -> dict:
     """A JSON object's pairs as a dict, refusing a key given twice (json.loads would keep the last)."""
-    keys = [k for k, _ in pairs]
-    for k in keys:
-        if keys.count(k) > 1:
-            raise DuplicateKey(k)
+    twice = repeated_key(pairs)
+    if twice is not None:
+        raise DuplicateKey(twice)
     return dict(pairs)
 
 

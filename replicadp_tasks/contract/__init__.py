@@ -12,7 +12,7 @@ from .models import check_model_name, check_served, choose_model, queue_for
 from .records import READY, Phase, Progress, ReplicaInfo, RequestState, Result
 from .request import (DEFAULTS, FIELDS, MAX_FPS, MAX_FRAMES, MAX_STEPS, REFERENCE_SIZE, REFERENCE_WORK,
                       ROUTING_FIELDS, SCHEDULING_FIELDS, WEBHOOK_FIELDS, Accepts, GenerateRequest, Quality,
-                      decode_json, input_key, parse_size, split_refusal, validate_request)
+                      decode_json, input_key, parse_size, repeated_key, split_refusal, validate_request)
 from .scheduling import TENANT_RE, Priority, Scheduling, check_priority, check_tenant, check_user, queue_lists
 from .webhook import Event, Webhook, tenant_secret
 
@@ -23,4 +23,4 @@ __all__ = ["DEFAULTS", "FIELDS", "MAX_FPS", "MAX_FRAMES", "MAX_STEPS", "READY", 
            "ReplicaDPError", "ReplicaInfo", "RequestCancelled", "RequestIdConflict", "RequestState", "Result",
            "Scheduling", "StoreError", "Webhook", "check_model_name", "check_priority", "check_served",
            "check_tenant", "check_user", "choose_model", "decode_json", "input_key", "keys", "parse_size", "queue_for",
-           "queue_lists", "split_refusal", "tenant_secret", "validate_request"]
+           "queue_lists", "repeated_key", "split_refusal", "tenant_secret", "validate_request"]

@@ -53,9 +53,8 @@ def choose_model(asked, known: Iterable[str], default: str | None) -> str:
         return default
     if len(known) == 1:
         return next(iter(known))
-    raise InvalidRequest.of("model", f"none given, and this deployment serves {served_list(known)}: name one "
-                                     "(or set REPLICADP_DEFAULT_MODEL)" if known else
-                            f"none given, and this deployment serves {served_list(known)}")
+    why = f"none given, and this deployment serves {served_list(known)}"
+    raise InvalidRequest.of("model", f"{why}: name one (or set REPLICADP_DEFAULT_MODEL)" if known else why)
 
 
 def check_served(asked, served: str) -> None:

@@ -235,8 +235,7 @@ def decode_json(field: str, text: str, max_chars: int | None) -> object:
         _fail(field, text, f"is {len(text)} characters long; the limit is {max_chars}")
 
     def pairs(items: list) -> dict:
-        keys = [k for k, _ in items]
-        twice = next((k for k in keys if keys.count(k) > 1), None)
+        twice = repeated_key(items)
         if twice is not None:
             raise ValueError(f"key {twice!r} given twice")
         return dict(items)
@@ -264,6 +263,16 @@ def decode_json(field: str, text: str, max_chars: int | None) -> object:
     if json_depth(value) > MAX_JSON_DEPTH:
         _fail(field, text, f"nests lists or objects deeper than {MAX_JSON_DEPTH}")
     return value
+
+
+def repeated_key(items: list[tuple]) -> str | None:
+    """The first key given twice among a JSON object's (key, value) pairs (json's object_pairs_hook), or None."""
+    seen = set()
+    for key, _ in items:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
 
 
 def json_depth(value) -> int:
