@@ -123,10 +123,15 @@ def live_replicas(timeout: float = 1.0, url: str | None = None, model: str | Non
     (two with a model); `timeout`: seconds to wait for Redis."""
     client = redis_client(url or redis_url(), timeout)
     serving = heartbeat.read(client, SETTINGS.replica_stale_s).serving
-    if model is None or not serving:
+    if model is None:
         return serving
-    infos = client.mget([keys.REPLICA_KEY + name for name in serving])
-    return [name for name, info in zip(serving, infos) if info and json.loads(info).get("model") == model]
+    return [name for name, info in replica_info(client, serving).items() if info.get("model") == model]
+
+
+def replica_info(client, names) -> dict:
+    """What each replica published when it loaded its model (its ReplicaInfo: model, device, pid, ...; {} before)."""
+    raws = client.mget([keys.REPLICA_KEY + n for n in names]) if names else []
+    return {n: json.loads(r) if r else {} for n, r in zip(names, raws)}
 
 
 def model_for(asked: str | None) -> str:

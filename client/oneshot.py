@@ -113,7 +113,7 @@ def _carries(raw: bytes, task_id: str, wrapped: bool) -> bool:
 def _waiting(task_id: str) -> bool:
     """Whether `task_id`'s message is in the queue, or delivered to a replica and not yet acknowledged."""
     client = app.backend.client
-    queues = [queue_for(SETTINGS.queue, model) for model in fleet.declared(client)]
+    queues = [queue_for(SETTINGS.queue, model) for model in fleet.served(client, SETTINGS.models)]
     lists = [client.lrange(key, 0, -1) for queue in queues for key in queue_lists(queue)]
     return (any(_carries(raw, task_id, wrapped=False) for raws in lists for raw in raws)
             or any(_carries(raw, task_id, wrapped=True) for raw in client.hvals(keys.UNACKED_KEY)))

@@ -36,7 +36,6 @@ from .app import app
 from .broker import transport
 from .cluster.connection import outage_tolerant
 from .cluster.heartbeat import Heartbeat, Running
-from .cluster import fleet
 from .contract.keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
 from .contract.models import queue_for
 from .contract.records import ReplicaInfo
@@ -127,7 +126,7 @@ def _running() -> Running | None:
 def _beat(**_):
     """In the main process, once its consumer runs: the heartbeat that tells producers whether it serves."""
     MAIN.heartbeat = Heartbeat(MAIN.name, SETTINGS.redis_url, SETTINGS.replica_stale_s, _consuming, _running,
-                               SETTINGS.served_model_name, SETTINGS.queue).start()
+                               (SETTINGS.served_model_name, *SETTINGS.models), SETTINGS.queue).start()
 
 
 @signals.worker_shutdown.connect
@@ -355,15 +354,13 @@ def _replica_info(name: str, pipeline, started: float) -> ReplicaInfo:
 
 def _publish_then_consume(name: str, info: ReplicaInfo) -> None:
     """Publish what this replica serves, then ask the main process, which answers control commands from its event
-    loop (it may not run yet), to consume its model's queue (declared with the models of REPLICADP_MODELS, which
-    the deployment serves too). Redis may be down or restarting: wait it out, on a
+    loop (it may not run yet), to consume its model's queue (which its heartbeat has declared). Redis may be down or restarting: wait it out, on a
     fresh connection each time: Celery logs and drops an exception raised here, and the replica would never
     consume."""
     while not MAIN.stopping.value:
         with app.connection_for_write() as conn:
             try:
                 child.current().redis.set(REPLICA_KEY + name, json.dumps(info))
-                fleet.declare(child.current().redis, (info["model"], *SETTINGS.models), SETTINGS.queue, name)
                 if app.control.add_consumer(MODEL_QUEUE, destination=[name], reply=True, timeout=1.0,
                                             connection=conn):
                     break

@@ -305,7 +305,7 @@ def test_starting_replicas_outlasts_a_redis_read_that_times_out(tmp_path):
     url = server.start()
     try:
         group = Replicas(1, redis_url=url, model="tiny", log_path=tmp_path / "replicas.log")
-        Heartbeat(group.names[0], url, 10.0, consuming=lambda: True, running=lambda: None, model="tiny",
+        Heartbeat(group.names[0], url, 10.0, consuming=lambda: True, running=lambda: None, models=["tiny"],
                   prefix="video").beat(True, None)
         assert group.serving() == set(group.names)
         pause = redis.Redis.from_url(url)

@@ -156,13 +156,13 @@ class Gateway:
         return await self._replicas.get()
 
     async def _read_models(self) -> list[str]:
-        # This gateway's REPLICADP_MODELS declared for every producer (a declaration that exists is left as it is).
+        # This gateway's REPLICADP_MODELS declared for every producer (a declaration that exists is left as it is),
+        # then every declaration read: those among them.
         async with self.redis.pipeline(transaction=False) as pipe:
             for model in SETTINGS.models:
                 pipe.hsetnx(keys.MODELS_KEY, model, fleet.declaration(model, SETTINGS.queue, "a gateway"))
             pipe.hgetall(keys.MODELS_KEY)
-            declared = fleet.parse((await pipe.execute())[-1])
-        return sorted(set(declared) | set(SETTINGS.models))
+            return sorted(fleet.parse((await pipe.execute())[-1]))
 
     async def models(self, fresh: bool = False) -> list[str]:
         """The models this deployment serves (cluster/fleet.py), at most LIVE_CACHE_S old unless `fresh`."""

@@ -26,8 +26,8 @@ from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract import keys, queue_for
 from replicadp_tasks.settings import SETTINGS
 
-from ..api import redis_url
-from .status import queue_head, replica_info, waited_s
+from ..api import redis_url, replica_info
+from .status import queue_head, waited_s
 
 # No progress for this long is unhealthy: well above one denoising step or the VAE decode of the largest
 # request (1280x720, 121 frames) on a slow GPU, well below the hard time limit (1800 s).

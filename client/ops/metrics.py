@@ -24,8 +24,8 @@ from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract import keys
 from replicadp_tasks.settings import SETTINGS
 
-from ..api import live_replicas, redis_url
-from .status import models, queue_head, replica_info, waited_s
+from ..api import redis_url
+from .status import models, queue_head, waited_s
 
 log = logging.getLogger("replicadp.metrics")
 
@@ -73,8 +73,7 @@ class Exporter:
         """Called on each scrape."""
         up = GaugeMetricFamily("replicadp_redis_up", "1 if Redis answered this scrape")
         try:
-            served = models(self.redis, replica_info(self.redis, live_replicas(url=redis_url())))
-            heads = {model: queue_head(self.redis, model) for model in served}
+            heads = {model: queue_head(self.redis, model) for model in models(self.redis)}
             stats, dead = self.redis.hgetall(keys.STATS_KEY), self.redis.llen(keys.DEAD_KEY)
         except redis.exceptions.RedisError as exc:
             log.warning("scrape: Redis: %s", exc)

@@ -18,15 +18,9 @@ from replicadp_tasks.cluster import connection, fleet, heartbeat
 from replicadp_tasks.contract import Accepts, Phase, Priority, Quality, keys, queue_for
 from replicadp_tasks.settings import SETTINGS
 
-from ..api import live_replicas, redis_client, redis_url
+from ..api import live_replicas, redis_client, redis_url, replica_info
 
 THROUGHPUT_WINDOWS_MIN = (1, 5, 15)  # videos/min over these recent windows (completions are kept an hour)
-
-
-def replica_info(client, names) -> dict:
-    """What each replica published when it loaded its model (model, device, pid)."""
-    raws = client.mget([keys.REPLICA_KEY + n for n in names]) if names else []
-    return {n: json.loads(r) if r else {} for n, r in zip(names, raws)}
 
 
 def fast_path(info: dict) -> str | None:
@@ -60,10 +54,10 @@ def live_accepted(model: str, timeout: float = 1.0) -> Accepts:
     return accepted_by([info for info in infos if info.get("model") == model])
 
 
-def models(client, infos: dict) -> list[str]:
-    """Every model the deployment serves: declared (fleet.py, REPLICADP_MODELS) or loaded by a live replica."""
-    return sorted(set(fleet.declared(client)) | set(SETTINGS.models) | {i["model"] for i in infos.values()
-                                                                        if i.get("model")})
+def models(client) -> list[str]:
+    """Every model the deployment serves (cluster/fleet.py): declared in Redis, each live replica's among them, or
+    by this process's REPLICADP_MODELS."""
+    return sorted(fleet.served(client, SETTINGS.models))
 
 
 def queue_head(client, model: str) -> tuple[dict[Priority, int], dict | None]:
@@ -93,14 +87,19 @@ def model_row(client, model: str, infos: dict, serving: list[str], now: float) -
     """One model as `status` shows it: its live replicas (serving, and loading), its queue, its videos/min."""
     depths, head = queue_head(client, model)
     mine = [name for name, info in infos.items() if info.get("model") == model]
-    pipe = client.pipeline()
-    for minutes in THROUGHPUT_WINDOWS_MIN:
-        pipe.zcount(keys.completed_key(model), now - 60 * minutes, now)
-    done = pipe.execute()
     return {"name": model, "queue": queue_for(SETTINGS.queue, model), "replicas": len(mine),
             "serving": sum(name in serving for name in mine), "queue_depth": sum(depths.values()),
             "queue_by_priority": {str(p): n for p, n in depths.items()}, "oldest_wait_s": waited_s(head, now),
-            **{f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, done)}}
+            **videos_per_min(client, keys.completed_key(model), now)}
+
+
+def videos_per_min(client, completed: str, now: float) -> dict[str, float]:
+    """`videos_per_min_<m>m` over each of THROUGHPUT_WINDOWS_MIN, from the completions in the sorted set
+    `completed`."""
+    pipe = client.pipeline()
+    for minutes in THROUGHPUT_WINDOWS_MIN:
+        pipe.zcount(completed, now - 60 * minutes, now)
+    return {f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, pipe.execute())}
 
 
 def snapshot() -> dict:
@@ -127,13 +126,9 @@ def snapshot() -> dict:
             "running_s": time.time() - running["started_at"] if running else None,
         })
     now = time.time()
-    rows = [model_row(client, model, info, beats.serving, now) for model in models(client, info)]
-    pipe = client.pipeline()
-    for minutes in THROUGHPUT_WINDOWS_MIN:
-        pipe.zcount(keys.COMPLETED_KEY, now - 60 * minutes, now)
-    done = pipe.execute()
+    rows = [model_row(client, model, info, beats.serving, now) for model in models(client)]
     return {"models": rows, "replicas": replicas, "queue_depth": sum(r["queue_depth"] for r in rows),
-            **{f"videos_per_min_{m}m": n / m for m, n in zip(THROUGHPUT_WINDOWS_MIN, done)}}
+            **videos_per_min(client, keys.COMPLETED_KEY, now)}
 
 
 def models_table(snap: dict) -> Table:

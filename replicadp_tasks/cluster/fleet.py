@@ -55,6 +55,12 @@ def declared(client) -> dict[str, Declared]:
     return parse(client.hgetall(MODELS_KEY))
 
 
+def served(client, here: Iterable[str]) -> set[str]:
+    """The models the deployment serves, as a process whose REPLICADP_MODELS is `here` knows them: those declared in
+    Redis (a live replica has declared its own), and its own."""
+    return set(declared(client)) | set(here)
+
+
 def forget(client, model: str) -> bool:
     """Take `model`'s declaration back; whether there was one."""
     return bool(client.hdel(MODELS_KEY, model))
@@ -78,7 +84,7 @@ class Fleet:
             deadline = time.monotonic() + (self.patience_s if self._known is None else 0)
             while True:
                 try:
-                    self._known = set(declared(self.client)) | set(self.here)
+                    self._known = served(self.client, self.here)
                     break
                 except (redis.ConnectionError, redis.TimeoutError):
                     if time.monotonic() >= deadline:

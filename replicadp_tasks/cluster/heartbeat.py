@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, NamedTuple, TypedDict
+from typing import Callable, Iterable, NamedTuple, TypedDict
 
 import redis
 
@@ -76,13 +76,14 @@ def read(client: redis.Redis, stale_s: float) -> Beats:
 class Heartbeat:
     """In a replica's main process: `run()` beats from a thread until `leave()`. `consuming()` says whether the
     replica takes requests from its model's queue now, `running()` what its pool child runs; both are called
-    from the thread, so they only read. Each beat declares the replica's `model` (fleet.py), queued under
-    `prefix`."""
+    from the thread, so they only read. Each beat declares `models` (fleet.py: the replica's own, and those its
+    REPLICADP_MODELS names), queued under `prefix`."""
 
     def __init__(self, name: str, url: str, stale_s: float, consuming: Callable[[], bool],
-                 running: Callable[[], Running | None], model: str, prefix: str):
+                 running: Callable[[], Running | None], models: Iterable[str], prefix: str):
         self.name, self.stale_s = name, stale_s
-        self.model, self.declared = model, fleet.declaration(model, prefix, name)
+        self.declarations = [part for model in dict.fromkeys(models)
+                             for part in (model, fleet.declaration(model, prefix, name))]
         self.consuming, self.running = consuming, running
         # Its own connection, short timeouts: a beat that fails is retried at the next one.
         self.redis = connection.client(url, socket_timeout=2, socket_connect_timeout=2)
@@ -113,7 +114,7 @@ class Heartbeat:
     def beat(self, consuming: bool, running: Running | None) -> None:
         on, off = (SERVING_KEY, STANDBY_KEY) if consuming else (STANDBY_KEY, SERVING_KEY)
         self._beat(keys=[on, off, RUNNING_KEY, MODELS_KEY], args=[
-            self.name, json.dumps(running) if running else "", self.stale_s, self.model, self.declared])
+            self.name, json.dumps(running) if running else "", self.stale_s, *self.declarations])
 
     def leave(self) -> None:
         """At the end of a warm shutdown: stop beating and take this replica out of the heartbeats at once."""
