@@ -18,10 +18,12 @@ from helpers import wait_for
 
 from client.api import _app_for
 from replicadp_tasks.cluster.connection import celery_backend_url
-from replicadp_tasks.cluster.fence import acquire
+from replicadp_tasks.cluster.fence import RENEW, acquire
 from replicadp_tasks.contract import RequestState
 from replicadp_tasks.contract.keys import CANCEL_CHANNEL, CANCEL_KEY, FENCE_KEY, HOLDERS_KEY, FenceToken
 from replicadp_tasks.replica import FenceKeeper
+
+RENEWAL = RENEW.splitlines()[0]  # as MONITOR shows the script: its first line, which only the renewal has
 
 INSTANT = {"prompt": "instant", "height": 64, "width": 64, "num_frames": 5}
 
@@ -103,15 +105,19 @@ def test_the_holder_is_recorded_in_the_transaction_that_records_the_delivery(ins
 @pytest.mark.cluster
 def test_the_fence_is_released_by_the_script_that_records_the_completion(instant):
     """A stored request's fence is released in the round trip that records its completion (the script that
-    releases it unless the request was cancelled meanwhile), not by a round trip of its own after it: no command
-    names the fence after that script, and the fence is gone."""
+    releases it unless the request was cancelled meanwhile), not by a round trip of its own after it: after that
+    script, no command names the fence but the main process's lease ticks (renewals until the pool child
+    acknowledges the message, then a release: its connection is the one that renews), and the fence is gone. The
+    pool child's fence keeper renews it no more either: it stops keeping the fence before the script."""
     with monitored(instant.url) as seen:
         [outcome] = run_client_on(instant.url, [{**INSTANT, "num_inference_steps": 1}], concurrency=1)
     assert outcome.ok, outcome.error
     fence, cancel = FENCE_KEY + outcome.result["request_id"], CANCEL_KEY + outcome.task_id
-    named = naming(seen, fence)
-    at = next(i for i, command in enumerate(named) if command.startswith("EVAL") and cancel in command)
-    assert named[at:] == [named[at]], named[at:]
+    named = [(client, command) for client, command in seen if fence in command]
+    at = next(i for i, (_, command) in enumerate(named) if command.startswith("EVAL") and cancel in command)
+    renewing = {client for client, command in named[at + 1:] if command.startswith("EVAL") and RENEWAL in command}
+    assert len(renewing) <= 1, f"more than the main process's lease thread renewed the fence after: {named[at:]}"
+    assert [command for client, command in named[at + 1:] if client not in renewing] == [], named[at:]
     assert not instant.redis.exists(fence)
 
 

@@ -84,7 +84,9 @@ class PoolChild:
 
     def record_completion(self, request_id: str, task_id: str, fence_key: str, tok: FenceToken) -> bool:
         """Count a request stored and release its fence, unless its task was cancelled meanwhile (the same round
-        trip); returns whether it was."""
+        trip); returns whether it was. The fence keeper stops keeping the fence first: none of its renewals follows
+        the release (the main process keeps it until the child acknowledges the message)."""
+        self.fences.unwatch(tok)
         now = time.time()
         pipe = self.redis.pipeline()
         for completed in (COMPLETED_KEY, completed_key(SETTINGS.served_model_name)):

@@ -4,6 +4,7 @@ so that a denoising step asks Redis nothing while all is well (replica/leases.py
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import redis
@@ -33,6 +34,7 @@ class FenceKeeper:
         self.watched: dict[FenceToken, str] = {}  # delivery -> its fence key, of the requests kept
         self.clear_at: dict[FenceToken, float] = {}  # when (monotonic) a look last found all well for one
         self.heard: dict[str, None] = {}  # task ids of the cancels heard, oldest first
+        self.looking = threading.Lock()  # a look, or an unwatch: a fence let go is not renewed by a look under way
 
     def watch(self, fence: str, tok: FenceToken) -> None:
         """From now on, keep `fence` for `tok`, which has just taken it. A cancel since the request started is
@@ -41,9 +43,11 @@ class FenceKeeper:
         self.watched[tok] = fence
 
     def unwatch(self, tok: FenceToken) -> None:
-        """Stop keeping `tok`'s fence: its request has ended here."""
-        self.watched.pop(tok, None)
-        self.clear_at.pop(tok, None)
+        """Stop keeping `tok`'s fence: its request has ended here, or is about to release it. Waits for a look
+        under way, so that no renewal of the fence follows."""
+        with self.looking:
+            self.watched.pop(tok, None)
+            self.clear_at.pop(tok, None)
 
     def clear(self, tok: FenceToken) -> bool:
         """Whether the fence was `tok`'s and no cancel of its task was seen, at a look within two ticks."""
@@ -76,14 +80,15 @@ class FenceKeeper:
 
     def look(self) -> None:
         """Renew the fences kept and look for their cancels, in one round trip."""
-        watched = list(self.watched.items())
-        if not watched:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for tok, key in watched:
-            pipe.exists(CANCEL_KEY + tok.task_id)
-            fence.renew(pipe, key, tok, self.lease_s)
-        replies = pipe.execute()
+        with self.looking:
+            watched = list(self.watched.items())
+            if not watched:
+                return
+            pipe = self.redis.pipeline(transaction=False)
+            for tok, key in watched:
+                pipe.exists(CANCEL_KEY + tok.task_id)
+                fence.renew(pipe, key, tok, self.lease_s)
+            replies = pipe.execute()
         for (tok, key), cancelled, renewed in zip(watched, replies[::2], replies[1::2]):
             if cancelled:
                 self.hear(tok.task_id)
