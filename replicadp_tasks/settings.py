@@ -346,7 +346,14 @@ class Settings:
         "REPLICADP_IMAGE_DIR", None, "Local image paths are refused unless they lie under this folder.", folder)
     loras_file: str | None = setting(
         "REPLICADP_LORAS", None, "The LoRA adapters a replica loads at start and a request may name "
-        "(model/adapters.py): a TOML file the operator writes. Unset: none, and a request naming one is refused.")
+        "(model/adapters.py): a TOML file the operator writes. Unset: none, and a request naming one is refused. An "
+        "adapter marked `fuse = true` is fused into the weights at load instead: the replica serves a model of its "
+        "own (a few-step one, with the adapter's recipe).")
+    recipe: str | None = setting(
+        "REPLICADP_RECIPE", None, "The model's sampling recipe, as a TOML inline table (contract/recipe.py), for a "
+        "distilled checkpoint whose steps, guidance and scheduler are part of it (a FastWan-style folder): requests "
+        "get them by default and are refused other ones. Unset: the checkpoint's own scheduler, and a request's "
+        "steps and guidance are its own.")
     scheduling: Scheduling = setting(
         "REPLICADP_SCHEDULING", Scheduling.FAIR, "Where a producer places a request (broker/placement.py): `fair` "
         "(priorities, then round robin across tenants and users) or `fifo` (one list in arrival order: the baseline "
@@ -403,7 +410,8 @@ class Settings:
             attention=self.attention, compile=self.compile, deterministic=self.deterministic,
             cache=StepCache.of(self.cache, self.cache_threshold, self.cache_interval, self.mag_ratios, self.model),
             quantize=self.quantize, offload=self.offload, memory_gib=self.device_memory_gib, layout=self.parallel,
-            parallel_timeout_s=self.parallel_timeout_s, load_timeout_s=self.load_timeout_s, loras_file=self.loras_file)
+            parallel_timeout_s=self.parallel_timeout_s, load_timeout_s=self.load_timeout_s, loras_file=self.loras_file,
+            recipe=self.recipe)
 
 
 def reference() -> list[Setting]:

@@ -348,7 +348,9 @@ def _replica_info(name: str, pipeline, started: float) -> ReplicaInfo:
                        requires_image=accepts.requires_image, experts=accepts.experts, attention=options.attention,
                        compile=options.compile, deterministic=options.deterministic, qualities=list(accepts.qualities),
                        cache=str(options.cache), quantize=options.quantize, offload=options.offload,
-                       parallel=str(options.layout), loras=[a.info() for a in pipeline.adapters], pid=os.getpid(),
+                       parallel=str(options.layout), loras=[a.info() for a in pipeline.adapters],
+                       fused=[a.info() for a in pipeline.fused],
+                       recipe=None if pipeline.recipe is None else pipeline.recipe.to_wire(), pid=os.getpid(),
                        load_s=round(time.time() - started, 3), loaded_at=time.time())
 
 

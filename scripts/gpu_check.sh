@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (issues #9, #22, #33, #34), on one GPU, in two commands that each fit the device's 10 minutes a
-# command: `MEMORY_REQUESTS=0 scripts/gpu_check.sh` (steps 1-5, an estimated 9 minutes on an H200) and
-# `ONLY_MEMORY=1 scripts/gpu_check.sh` (steps 1 and 6, an estimated 3-4; neither estimate measured yet). With
-# neither variable set it runs all the steps in one go:
+# command: `MEMORY_REQUESTS=0 FEWSTEP_REQUESTS=0 scripts/gpu_check.sh` (steps 1-5, an estimated 9 minutes on an
+# H200) and `ONLY_MEMORY=1 scripts/gpu_check.sh` (steps 1, 6 and 8, an estimated 5-6; no estimate measured yet).
+# With none of these variables set it runs all the steps in one go:
 #   1. installs the carried wheels (.whl/, made here by scripts/fetch_wheels.sh) if the machine lacks them;
 #   2. times one transformer forward pass per attention backend, and with compiled blocks (bench/gpu_kernels.py);
 #      the replicas below use the fastest backend unless REPLICADP_ATTENTION is set (a failure here, or a run
@@ -29,12 +29,16 @@
 #      docs/benchmarks.md, section 12); with two or more, bench/parallel.py on GPUs 0 and 1: 2 x 1 against 1 x 2
 #      for each of PARALLEL_LAYOUTS ("cfg:2 ulysses:2"; empty skips it), frames compared with 2 x 1's, bounded by
 #      PARALLEL_TIMEOUT (300 s) and reported, not fatal, if cut short;
-#   8. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
-#      utilisation, the isolation verdict, one line per memory option and one per layout, and leaves the JSON
-#      reports in $OUT.
+#   8. measures few-step serving against the exact model on MODEL in one process (bench/fewstep.py: the model
+#      without a recipe at STEPS, guidance on, then with the 4-step no-CFG recipe; seconds per video, DiT loop,
+#      FLOPs and MFU of each; FEWSTEP_REQUESTS requests per path after a warm-up, 2, 0 skips it; bounded by
+#      FEWSTEP_TIMEOUT, 240 s, and reported, not fatal, if cut short);
+#   9. prints per-request latency p50, videos/min, peak GPU memory per replica, the DiT's model FLOP
+#      utilisation, the isolation verdict, one line per memory option and one per layout, the few-step line,
+#      and leaves the JSON reports in $OUT.
 #
 #   scripts/gpu_check.sh                          # on the GPU machine, from the repo root: every step
-#   MEMORY_REQUESTS=0 scripts/gpu_check.sh; ONLY_MEMORY=1 scripts/gpu_check.sh   # the same, in two commands
+#   MEMORY_REQUESTS=0 FEWSTEP_REQUESTS=0 scripts/gpu_check.sh; ONLY_MEMORY=1 scripts/gpu_check.sh   # in two
 #   MODEL=random:wan2.1-t2v-1.3b REQUESTS=4 scripts/gpu_check.sh
 #   DEVICE=cpu MODEL=random:tiny-wan2.2-ti2v SIZE=64x64 FRAMES=5 STEPS=2 REQUESTS=2 scripts/gpu_check.sh
 #                                                 # its CPU rehearsal (tests/test_gpu_check.py)
@@ -49,7 +53,8 @@ REQUESTS=${REQUESTS:-8}
 FAST_REQUESTS=${FAST_REQUESTS:-$(( REQUESTS < 4 ? REQUESTS : 4 ))}  # the run without deterministic kernels
 CACHE_REQUESTS=${CACHE_REQUESTS:-1}  # per path, in the step-cache step
 MEMORY_REQUESTS=${MEMORY_REQUESTS:-1}  # per option, in the memory step
-ONLY_MEMORY=${ONLY_MEMORY:-0}  # 1: the memory step alone (steps 2-5 skipped)
+FEWSTEP_REQUESTS=${FEWSTEP_REQUESTS:-2}  # per path, in the few-step step
+ONLY_MEMORY=${ONLY_MEMORY:-0}  # 1: the memory and few-step steps alone (steps 2-5 and 7 skipped)
 MEMORY_MODEL=${MEMORY_MODEL:-random:wan2.2-t2v-a14b} MEMORY_SIZE=${MEMORY_SIZE:-832x480}
 MEMORY_FRAMES=${MEMORY_FRAMES:-17} MEMORY_STEPS=${MEMORY_STEPS:-4} MEMORY_OPTIONS=${MEMORY_OPTIONS:-none,expert,model,group}
 DEVICE=${DEVICE:-0}  # the GPU both runs use, or cpu
@@ -166,7 +171,18 @@ if [[ $ONLY_MEMORY != 1 && $DEVICE != cpu && -n $PARALLEL_LAYOUTS ]]; then
   fi
 fi
 
-# 8. The figures side by side.
+# 8. Few-step serving against the exact model, in one process: in the second command (ONLY_MEMORY=1), whose
+#    minutes have room for it, where the first's have not.
+if (( FEWSTEP_REQUESTS > 0 )); then
+  phase "few-step"
+  if ! timeout "${FEWSTEP_TIMEOUT:-240}" python3 bench/fewstep.py --model "$MODEL" --size "$SIZE" \
+      --num-frames "$FRAMES" --steps "$STEPS" --requests "$FEWSTEP_REQUESTS" --json "$OUT/fewstep.json"; then
+    echo "gpu_check: the few-step step failed or ran past ${FEWSTEP_TIMEOUT:-240} s (above)" >&2
+    status=1
+  fi
+fi
+
+# 9. The figures side by side.
 phase "done"
 python3 - "$OUT" "$ONLY_MEMORY" <<'EOF'
 import json, sys
@@ -224,5 +240,17 @@ if (out / "parallel.json").exists():
         print(f"  {r['layout']:<6}{r['parallel']:<18}p50 latency {r['latency_p50_s']:.2f} s, {r['videos_per_min']:.2f} videos/min, "
               f"frames bitwise = 2 x 1's: {r['frames_identical'] if r['frames_identical'] is not None else 'baseline'}, "
               f"decoded max abs {d.get('max_abs', '-')}")
+if (out / "fewstep.json").exists():
+    few = json.loads((out / "fewstep.json").read_text())
+    rows = {r["path"]: r for r in few["rows"]}
+    mfu = lambda r: f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+    head = f"few-step ({few['model']}, {few['size']}x{few['frames']}):"
+    if "few-step" not in rows:  # cut short after the exact path (the error is above)
+        print(f"{head} no few-step figures (the step was cut short)")
+    else:
+        e, f, up = rows["exact"], rows["few-step"], few["speedup"]
+        print(f"{head} {e['request_s']:.2f} s/video exact ({e['steps']} steps, guidance {e['guidance_scale']:g}) vs "
+              f"{f['request_s']:.2f} few-step ({f['steps']} steps, guidance {f['guidance_scale']:g}): "
+              f"{up['request']:.2f}x; DiT MFU {mfu(e)} vs {mfu(f)}; DiT FLOPs {up['flops']:.1f}x fewer")
 EOF
 exit $status

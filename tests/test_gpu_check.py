@@ -45,6 +45,7 @@ def run_check(tmp_path: Path, **overrides: str) -> tuple[subprocess.CompletedPro
            # The memory step on the two-expert stand-in; 4 steps run 3 + 1 on its experts, so `expert` swaps them.
            "MEMORY_MODEL": "random:tiny-wan2.2-t2v-a14b", "MEMORY_SIZE": "64x64", "MEMORY_FRAMES": "5",
            "MEMORY_STEPS": "4", "MEMORY_REQUESTS": "1",
+           "FEWSTEP_REQUESTS": "1",  # the few-step step on MODEL: exact at STEPS against the 4-step recipe
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **overrides}  # this venv's python3
     for name in ("REDIS_URL", "REPLICADP_ATTENTION", "REPLICADP_COMPILE"):
         env.pop(name, None)
@@ -57,10 +58,11 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v) the check runs end to end: the kernels step (each
     attention backend, then compiled blocks), the embedded server, one replica recording the baseline, one
     without deterministic kernels (its cost printed), two replicas checked against the baseline, the step caches,
-    the memory options on the two-expert stand-in, the summary. It exits 0, the replicas use the fastest backend
-    the kernels step found, its reports hold the figures the GPU run prints (latency, videos/min, peak memory per
-    replica, isolation, each step cache against the exact path, each memory option's request time with frames
-    equal to none's), and it stops what it started."""
+    the memory options on the two-expert stand-in, few-step serving against the exact model, the summary. It
+    exits 0, the replicas use the fastest backend the kernels step found, its reports hold the figures the GPU run
+    prints (latency, videos/min, peak memory per replica, isolation, each step cache against the exact path, each
+    memory option's request time with frames equal to none's, each path's seconds per video and FLOPs), and it
+    stops what it started."""
     run, out = run_check(tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     kernels = json.loads((out / "kernels.json").read_text())
@@ -90,20 +92,34 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     assert all(r["skipped"] is None and r["request_s"] > 0 and r["same_as_none"] == 1 for r in mem["rows"])
     assert "memory options (random:tiny-wan2.2-t2v-a14b, 64x64x5, 4 steps):" in run.stdout
     assert re.search(r"group +p50 request [0-9.]+ s, peak [0-9.]+ GiB, same frames as none: 1/1", run.stdout)
+    few = json.loads((out / "fewstep.json").read_text())
+    assert few["model"] == "random:tiny-wan2.2-ti2v" and few["requests"] == 1
+    exact, fast = few["rows"]
+    assert (exact["path"], exact["steps"], exact["guidance_scale"]) == ("exact", 2, 5.0)  # STEPS, the model's
+    assert (fast["path"], fast["steps"], fast["guidance_scale"]) == ("few-step", 4, 1.0)
+    assert all(r["request_s"] > 0 and r["dit_s"] > 0 for r in few["rows"])
+    # A pass a step, two with CFG: at the reference's 30 steps 15x fewer FLOPs; at the rehearsal's STEPS=2, as many.
+    assert exact["dit_flops"] / fast["dit_flops"] == pytest.approx(exact["steps"] * 2 / fast["steps"])
+    assert few["speedup"]["flops"] == pytest.approx(exact["steps"] * 2 / fast["steps"])
+    assert "few-step serving: random:tiny-wan2.2-ti2v on cpu" in run.stdout
+    assert re.search(r"few-step \(random:tiny-wan2\.2-ti2v, 64x64x5\): [0-9.]+ s/video exact \(2 steps, guidance 5\) "
+                     r"vs [0-9.]+ few-step \(4 steps, guidance 1\): [0-9.]+x; DiT MFU [0-9.]+% vs [0-9.]+%; "
+                     r"DiT FLOPs 1\.0x fewer", run.stdout)
     assert started_by_the_script(out) == [] and left_behind(run) == []
 
 
 def test_gpu_check_goes_on_when_the_kernels_step_is_cut_short(tmp_path):
     """A kernels step past KERNELS_TIMEOUT (1 s here: it is killed while importing torch) costs the check only
     its kernel figures: it says so, the replicas run on the default attention backend and pass the isolation
-    check, and the exit status is 1 (something was not measured). FAST_REQUESTS=0, CACHE_REQUESTS=0 and
-    MEMORY_REQUESTS=0 skip the nondeterministic run, the step caches and the memory options (measured by the test
-    above)."""
+    check, and the exit status is 1 (something was not measured). FAST_REQUESTS=0, CACHE_REQUESTS=0,
+    MEMORY_REQUESTS=0 and FEWSTEP_REQUESTS=0 skip the nondeterministic run, the step caches, the memory options and
+    the few-step step (measured by the test above)."""
     run, out = run_check(tmp_path, KERNELS_TIMEOUT="1", REQUESTS="2", FAST_REQUESTS="0", CACHE_REQUESTS="0",
-                         MEMORY_REQUESTS="0")
+                         MEMORY_REQUESTS="0", FEWSTEP_REQUESTS="0")
     assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
     assert not (out / "fast.json").exists() and not (out / "step-cache.json").exists()
     assert not (out / "memory.json").exists() and "memory options" not in run.stdout
+    assert not (out / "fewstep.json").exists() and "few-step" not in run.stdout
     assert "gpu_check [" in run.stdout and "deterministic kernels off" not in run.stdout
     assert "fast: no report" in run.stdout
     assert "the kernels step failed or ran past 1 s" in run.stderr
@@ -117,8 +133,9 @@ def test_gpu_check_goes_on_when_the_kernels_step_is_cut_short(tmp_path):
 def test_gpu_check_runs_the_memory_step_alone(tmp_path):
     """ONLY_MEMORY=1, the check's second command on a device (its 10 minutes a command hold either half, not
     both): the memory step alone, every option on the two-expert stand-in with frames equal to none's, then its
-    summary; no kernels step, no replica, no serving table. It exits 0 and stops what it started."""
-    run, out = run_check(tmp_path, ONLY_MEMORY="1")
+    summary; no kernels step, no replica, no serving table. It exits 0 and stops what it started. The few-step
+    step, also part of that command, is skipped here (FEWSTEP_REQUESTS=0): the first test runs it."""
+    run, out = run_check(tmp_path, ONLY_MEMORY="1", FEWSTEP_REQUESTS="0")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert sorted(p.name for p in out.iterdir()) == ["memory.json"]
     mem = json.loads((out / "memory.json").read_text())

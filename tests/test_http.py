@@ -350,7 +350,8 @@ def test_models_list_each_replicas_fast_path(live, replicas, redis_db):
     `first-block threshold=0.05`."""
     card, = live.client.get("/v1/models").json()["data"]
     assert sorted(card["replicas"], key=lambda r: r["name"]) == [
-        {"name": n, "qualities": ["standard"], "fast_path": None, "loras": []} for n in sorted(replicas.names)]
+        {"name": n, "qualities": ["standard"], "fast_path": None, "loras": [], "fused": [], "recipe": None}
+        for n in sorted(replicas.names)]
     url = redis_db()
     group = start_replicas(1, url, "http-fast", REPLICADP_CACHE="first-block")
     try:
@@ -360,7 +361,7 @@ def test_models_list_each_replicas_fast_path(live, replicas, redis_db):
         group.stop()
     assert card["id"] == "tiny" and card["replicas"] == [
         {"name": group.names[0], "qualities": ["standard", "fast"], "fast_path": "first-block threshold=0.05",
-         "loras": []}]
+         "loras": [], "fused": [], "recipe": None}]
 
 
 def test_past_the_queue_depth_requests_get_429(redis_db):

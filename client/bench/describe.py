@@ -1,5 +1,6 @@
 """`replicadp describe-model`: what a model weighs, component by component, its transformers' FLOPs per request
-(each expert's, for Wan2.2's two-expert A14B models), and whether the replica's GPUs can hold its weights, with
+(each expert's, for Wan2.2's two-expert A14B models; and with each few-step recipe the deployment has, beside the
+exact path's), and whether the replica's GPUs can hold its weights, with
 each memory option (REPLICADP_OFFLOAD), and what a layout over K ranks (REPLICADP_PARALLEL) gives each rank: the
 figures for sizing a GPU and behind the bench's model FLOP utilisation."""
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from replicadp_tasks.contract import split_refusal
+from replicadp_tasks.contract import parse_recipe, split_refusal
 from replicadp_tasks.model import (RANDOM_PREFIX, TINY_SPECS, Layout, ModelOptions, Offload, architectures, conflicts,
                                    memory, read_registry)
 
@@ -74,10 +75,28 @@ def adapter_rows(name: str, loras_file: str | None) -> list[dict]:
     experts = list(architectures.architecture(name).experts)
     rows = []
     for reg in read_registry(loras_file):
-        missing = [e for e in reg.experts or () if e not in experts]
-        rows.append({"name": reg.name, "source": reg.source, "scale": reg.scale,
-                     "experts": list(reg.experts or experts),
+        missing = [e for e in (reg.source if isinstance(reg.source, dict) else reg.experts or ()) if e not in experts]
+        rows.append({"name": reg.name, "source": reg.source, "scale": reg.scale, "fuse": reg.fuse,
+                     "experts": list(reg.source) if isinstance(reg.source, dict) else list(reg.experts or experts),
                      "refused": f"this model has no {', '.join(missing)}" if missing else None})
+    return rows
+
+
+def recipe_rows(name: str, options: ModelOptions, exact_flops: int, **shape) -> list[dict]:
+    """The FLOPs per request of each few-step recipe the deployment has (REPLICADP_RECIPE's, and each adapter's in
+    REPLICADP_LORAS), beside the exact path's: `speedup` is what the transformers' work shrinks by, the speed-up a
+    GPU sees before the VAE. ModelLoadError naming a recipe that is wrong."""
+    recipes = [("REPLICADP_RECIPE", parse_recipe(options.recipe, f"REPLICADP_RECIPE={options.recipe!r}"))] \
+        if options.recipe else []
+    recipes += [(f"adapter {reg.name!r}" + (" (fused)" if reg.fuse else ""), reg.recipe)
+                for reg in read_registry(options.loras_file) if reg.recipe is not None]
+    rows = []
+    for of, recipe in recipes:
+        experts = architectures.reference_expert_flops(name, recipe=recipe, **shape)
+        flops = sum(e["dit_flops"] for e in experts.values())
+        rows.append({"of": of, "recipe": recipe.describe(), "steps": recipe.num_inference_steps,
+                     "guidance": recipe.guidance_scale > 1.0, "experts": experts, "dit_flops": flops,
+                     "speedup": round(exact_flops / flops, 2)})
     return rows
 
 
@@ -88,7 +107,8 @@ def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, 
     FLOPs for one request of that shape, guidance on (`dit_flops`: all experts together), whether `gpus`
     GPUs of `gpu_memory_gib` hold the weights, all resident and with each memory option, and, for the deployment's
     `options` (model/options.py): what a replica would refuse to combine (compatibility.conflicts), each rank's
-    share of a layout over several (layout_figures), and the LoRA adapters it would register (adapter_rows)."""
+    share of a layout over several (layout_figures), the LoRA adapters it would register (adapter_rows), and its
+    few-step recipes' FLOPs (recipe_rows)."""
     options = options or ModelOptions(name, model_cache=Path("."))
     layout = options.layout
     rows = architectures.describe(name)
@@ -101,7 +121,8 @@ def figures(name: str, *, width: int, height: int, num_frames: int, steps: int, 
             "offload": offload_needs(name, gpus, gpu_memory_gib),
             "parallel": layout_figures(name, layout, width=width, height=height, num_frames=num_frames,
                                        dit_flops=dit_flops) if layout.size > 1 else None,
-            "loras": adapter_rows(name, options.loras_file), "conflicts": conflicts(options)}
+            "loras": adapter_rows(name, options.loras_file), "conflicts": conflicts(options),
+            "recipes": recipe_rows(name, options, dit_flops, width=width, height=height, num_frames=num_frames)}
 
 
 def print_figures(fig: dict) -> None:
@@ -124,6 +145,10 @@ def print_figures(fig: dict) -> None:
             console.print(f"  {expert}: {e['steps']} steps, {e['dit_flops'] / 1e15:.2f} PFLOP")
     console.print(f"transformer FLOPs per request ({shape}): {flops / 1e15:.2f} PFLOP; {flops / (peak * 1e12):.2f} s "
                   f"at {peak:g} TFLOP/s")
+    for r in fig["recipes"]:
+        console.print(f"few-step recipe of {r['of']} ({r['recipe']}): {r['dit_flops'] / 1e15:.3f} PFLOP per request, "
+                      f"{r['speedup']:g}x fewer than the exact path's (the speed-up a GPU sees, before the VAE); "
+                      f"{r['dit_flops'] / (peak * 1e12):.2f} s at {peak:g} TFLOP/s")
     mem = fig["memory"]
     shares = " + ".join(f"{b / 2**30:.1f}" for b in mem["weights_bytes_per_gpu"])
     console.print(f"weights on {mem['gpus']} GPU(s) of {mem['gpu_memory_gib']:g} GiB: {shares} GiB: "
@@ -146,6 +171,7 @@ def print_figures(fig: dict) -> None:
     for refused in fig["conflicts"]:
         console.print(f"refused: {refused}")
     for a in fig["loras"]:
-        where = f"not for this model: {a['refused']}" if a["refused"] else f"into {', '.join(a['experts'])}"
+        where = f"not for this model: {a['refused']}" if a["refused"] else \
+            f"{'fused into' if a['fuse'] else 'into'} {', '.join(a['experts'])}"
         console.print(f"REPLICADP_LORAS: adapter {a['name']!r} ({a['source']}), default scale {a['scale']:g}: "
                       f"{where}")

@@ -17,8 +17,8 @@ from .options import redis_url_option
 @main.command()
 @click.option("--model", "models", multiple=True, envvar="REPLICADP_MODEL", show_envvar=True, metavar="SPEC",
               help="Model spec: tiny, a local folder or a hub id (default: tiny, which works offline). Repeat for a "
-                   "fleet: each --replicas, --devices and --served-model-name goes with the --model in its "
-                   "place, or one value with every model.")
+                   "fleet: each --replicas, --devices, --served-model-name, --loras and --recipe goes with the "
+                   "--model in its place, or one value with every model.")
 @click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
               help="The name requests give for the model (default: its spec).")
 @click.option("--replicas", "counts", type=int, multiple=True, help="Replicas to start (default: one per "
@@ -27,12 +27,17 @@ from .options import redis_url_option
               "(CUDA_VISIBLE_DEVICES, else nvidia-smi's) that the models before it left, else cpu.  [default: auto]")
 @click.option("--gpus-per-replica", type=int, help="Default: REPLICADP_PARALLEL's rank count (one GPU per rank), "
               "else 1.")
+@click.option("--loras", multiple=True, metavar="FILE|none", help="The model's adapter registry (REPLICADP_LORAS): "
+              "with adapters fused at load, a few-step variant of the model (default: REPLICADP_LORAS).")
+@click.option("--recipe", "recipes", multiple=True, metavar="TABLE|none", help="The model's sampling recipe "
+              "(REPLICADP_RECIPE), e.g. '{num_inference_steps = 4, guidance_scale = 1.0}' for a distilled checkpoint "
+              "(default: REPLICADP_RECIPE).")
 @click.option("--threads", type=int, help="CPU threads per replica (cpu only).")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds to wait for the replicas to load.")
 @click.option("--ha", is_flag=True, help="Start a Redis that fails over instead of one server: a primary, two "
               "replicas and three Sentinels (docs/operations.md).")
 @redis_url_option(help="Redis to start the replicas on (default: an embedded server, started here).")
-def up(models, served_names, counts, devices, gpus_per_replica, threads, timeout, ha):
+def up(models, served_names, counts, devices, gpus_per_replica, loras, recipes, threads, timeout, ha):
     """Start the embedded server (unless REDIS_URL is set) and the replicas of one model or several, in the
     background."""
     from replicadp_tasks.settings import SETTINGS
@@ -43,7 +48,7 @@ def up(models, served_names, counts, devices, gpus_per_replica, threads, timeout
     gpus_per_replica = gpus_per_replica or SETTINGS.parallel.size
     try:
         groups = fleet_plan(models or ("tiny",), served_names, counts, devices, gpus_per_replica,
-                            visible_gpus() if "auto" in (devices or ("auto",)) else [])
+                            visible_gpus() if "auto" in (devices or ("auto",)) else [], loras, recipes)
     except ValueError as exc:
         raise click.UsageError(str(exc))
     layout = f", each over {SETTINGS.parallel.size} ranks ({SETTINGS.parallel})" if SETTINGS.parallel.size > 1 else ""

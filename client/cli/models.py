@@ -1,5 +1,6 @@
 """Models, without replicas: `describe-model` (sizes, FLOPs, whether the GPUs hold it), `calibrate-mag` (MagCache's
-ratios for the fast path), `make-tiny-model` and `make-tiny-lora` (random-weight stand-ins for offline use)."""
+ratios for the fast path), `make-tiny-model`, `make-tiny-lora` and `make-tiny-turbo` (random-weight stand-ins for
+offline use)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ from .options import PEAKS, json_to, layout_param, size_param, write_json
               type=click.FloatRange(min=0, min_open=True), help="Each GPU's memory, for the memory check.")
 @click.option("--parallel", "layout", default="none", envvar="REPLICADP_PARALLEL", show_default=True,
               show_envvar=True, callback=layout_param, help="A layout over K ranks: each rank's share.")
+@click.option("--recipe", envvar="REPLICADP_RECIPE", show_envvar=True, metavar="TABLE",
+              help="A few-step sampling recipe, e.g. '{num_inference_steps = 4, guidance_scale = 1.0}': its FLOPs "
+                   "per request beside the exact path's (REPLICADP_LORAS' adapters' recipes are shown too).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path), callback=json_to,
               help="Write the figures as JSON to this file, or to stdout with - (the table then goes to stderr).")
-def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_gib, layout, json_out):
+def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_gib, layout, recipe, json_out):
     """Each component's parameter count and size, built on the meta device (nothing is allocated), each
     transformer expert's FLOPs per request, and whether the replica's GPUs hold the weights. SPEC: random:ARCH
     (or ARCH), or a tiny spec (tiny, tiny-wan2.1, tiny-a14b, tiny-i2v-a14b)."""
@@ -48,10 +52,10 @@ def describe_model(spec, size, num_frames, steps, peak_tflops, gpus, gpu_memory_
 
     try:
         # The deployment's choices (its settings), with this layout: what a replica would refuse of them too.
-        options = replace(SETTINGS.model_options(), spec=spec, layout=layout)
+        options = replace(SETTINGS.model_options(), spec=spec, layout=layout, recipe=recipe)
         fig = figures(name, width=size[0], height=size[1], num_frames=num_frames, steps=steps,
                       peak_tflops=peak_tflops, gpus=gpus, gpu_memory_gib=gpu_memory_gib, options=options)
-    except ModelLoadError as exc:  # REPLICADP_LORAS's file, REPLICADP_MAG_RATIOS's
+    except ModelLoadError as exc:  # REPLICADP_LORAS's file, REPLICADP_MAG_RATIOS's, a recipe
         raise click.ClickException(str(exc))
     print_figures(fig)
     if json_out:
@@ -112,3 +116,21 @@ def make_tiny_lora(out_file, model, seed, expert):
         raise click.BadParameter(f"{model!r}: one of {', '.join(TINY_SPECS)}", param_hint="--model")
     path = save_tiny_lora(resolve_model(model, SETTINGS.model_cache), out_file, seed, expert=expert)
     console.print(f"LoRA for {model}'s {expert} (seed {seed}) in {path}")
+
+
+@main.command("make-tiny-turbo")
+@click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--model", default="tiny", show_default=True, help="The tiny model it adapts (tiny, tiny-a14b, ...).")
+@click.option("--seed", default=0, show_default=True, help="Its random weights' seed.")
+def make_tiny_turbo(folder, model, seed):
+    """Write a tiny few-step kit for a tiny model into FOLDER: an adapter in LightX2V's key layout (a pair, one per
+    expert, for tiny-a14b) and two registries of it with a 4-step, no-CFG recipe: fused.toml, to serve the
+    few-step model (`up --loras FOLDER/fused.toml`), and adapters.toml, to switch it on per request."""
+    from replicadp_tasks.model import TINY_SPECS, resolve_model, save_tiny_turbo
+    from replicadp_tasks.settings import SETTINGS
+
+    if model not in TINY_SPECS:
+        raise click.BadParameter(f"{model!r}: one of {', '.join(TINY_SPECS)}", param_hint="--model")
+    registries = save_tiny_turbo(resolve_model(model, SETTINGS.model_cache), folder, seed)
+    console.print(f"few-step kit for {model} in {folder}: {registries['fused']} (fused at load), "
+                  f"{registries['adapters']} (per request)")

@@ -24,7 +24,8 @@ from .options import (OPTION_OF, Exit, chosen_model, image_param, lora_param, mo
               help="Write the MP4 here (default: it stays in the output store; the summary says where).")
 @click.option("--size", default=REFERENCE_SIZE, show_default=True, callback=size_param, help="WIDTHxHEIGHT.")
 @click.option("--num-frames", default=DEFAULTS["num_frames"], show_default=True)
-@click.option("--steps", default=DEFAULTS["num_inference_steps"], show_default=True, help="Denoising steps.")
+@click.option("--steps", type=int, help=f"Denoising steps (default: the model's: {DEFAULTS['num_inference_steps']}, "
+              "or a few-step model's or adapter's recipe's).")
 @click.option("--seed", default=DEFAULTS["seed"], show_default=True)
 @click.option("--negative-prompt", default=DEFAULTS["negative_prompt"])
 @click.option("--guidance", type=float, help="Guidance scale (default: the model's: 5.0, Wan2.2 T2V-A14B 4.0, "

@@ -12,7 +12,7 @@ from kombu.exceptions import OperationalError
 from replicadp_tasks.contract import Quality, RequestState
 
 from ..api import cancel_request, fetch_video, remove_video
-from ..ops.status import fast_path
+from ..ops.status import fast_path, recipe_of
 from .auth import KeyPolicy
 from .errors import ErrorCode, GatewayError, failure
 from .form import VideoForm, video_form
@@ -177,7 +177,9 @@ async def list_models(gw: GatewayDep):
         cards.append(ModelCard(id=m, created=min((int(r.get("loaded_at", 0)) for r in mine), default=0),
                                queue_depth=await gw.queue_depth(m), replicas=[
             ModelReplica(name=r["name"], qualities=r.get("qualities") or [Quality.STANDARD], fast_path=fast_path(r),
-                         loras=[a["name"] for a in r.get("loras") or []]) for r in mine]))
+                         loras=[a["name"] for a in r.get("loras") or []],
+                         fused=[a["name"] for a in r.get("fused") or []],
+                         recipe=recipe_of(r)) for r in mine]))
     return ModelList(data=cards)
 
 

@@ -81,6 +81,8 @@ class ModelReplica(BaseModel):
     qualities: list[str]  # what a request's `quality` may be on it
     fast_path: str | None  # the step cache quality=fast runs with ("mag threshold=0.06"); None: it serves no fast path
     loras: list[str] = []  # the LoRA adapters a request may name on it (the form's `loras`)
+    fused: list[str] = []  # the adapters fused into its weights (a few-step model's)
+    recipe: str | None = None  # its sampling recipe (a few-step model's: steps, guidance, scheduler), None for none
 
 
 class ModelCard(BaseModel):

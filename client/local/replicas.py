@@ -232,20 +232,31 @@ def plan(devices: str, replicas: int | None, gpus_per_replica: int, visible: lis
 @dataclass(frozen=True)
 class Group:
     """One model's replicas in a stack that `up` starts: `n` of `model` (a spec) on `devices`, its requests naming
-    it `served_name` (None: the spec)."""
+    it `served_name` (None: the spec), with its own adapter registry and recipe where given (None: the
+    environment's REPLICADP_LORAS and REPLICADP_RECIPE; "": none)."""
 
     model: str
     n: int
     devices: str
     served_name: str | None = None
     auto: bool = False  # the devices were `--devices auto`'s choice
+    loras: str | None = None
+    recipe: str | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What its replicas' environment has of its own."""
+        named = {"REPLICADP_SERVED_MODEL_NAME": self.served_name, "REPLICADP_LORAS": self.loras,
+                 "REPLICADP_RECIPE": self.recipe}
+        return {name: value for name, value in named.items() if value is not None}
 
 
 def fleet_plan(models: tuple, served_names: tuple, counts: tuple, devices: tuple, gpus_per_replica: int,
-               visible: list[str]) -> list[Group]:
-    """`up --model ... [--served-model-name] [--replicas] [--devices]`'s groups, one a model: each option's values go
-    with the models in their order, one value with every model; `auto` devices are the `visible` GPUs that the
-    models before left. ValueError names the option that does not fit."""
+               visible: list[str], loras: tuple = (), recipes: tuple = ()) -> list[Group]:
+    """`up --model ... [--served-model-name] [--replicas] [--devices] [--loras] [--recipe]`'s groups, one a model:
+    each option's values go with the models in their order, one value with every model (`none` for --loras and
+    --recipe: none for that model); `auto` devices are the `visible` GPUs that the models before left. ValueError
+    names the option that does not fit."""
     def each(option: str, values: tuple, default) -> list:
         if len(values) > 1 and len(values) != len(models):
             raise ValueError(f"{option} given {len(values)} times for {len(models)} --model: give it once (for every "
@@ -263,14 +274,16 @@ def fleet_plan(models: tuple, served_names: tuple, counts: tuple, devices: tuple
     if twice is not None:
         raise ValueError(f"two --model serve {twice!r}: give each a --served-model-name of its own")
     groups, taken = [], set()
-    for model, name, n, where in zip(models, names, each("--replicas", counts, None),
-                                     each("--devices", devices, "auto")):
+    own = [[None if v is None else "" if v == "none" else v for v in each(option, values, None)]
+           for option, values in (("--loras", loras), ("--recipe", recipes))]
+    for model, name, n, where, registry, recipe in zip(models, names, each("--replicas", counts, None),
+                                                       each("--devices", devices, "auto"), *own):
         chosen, n = plan(where, n, gpus_per_replica, [g for g in visible if g not in taken])
         ids = set() if chosen == "cpu" else set(chosen.split(","))
         if ids & taken:
             raise ValueError(f"--devices {where}: GPU {','.join(sorted(ids & taken))} is given to another --model too")
         taken |= ids
-        groups.append(Group(model, n, chosen, name, auto=where == "auto"))
+        groups.append(Group(model, n, chosen, name, auto=where == "auto", loras=registry, recipe=recipe))
     return groups
 
 
@@ -300,7 +313,7 @@ def up(groups: list[Group], threads: int | None, gpus_per_replica: int, timeout:
             replicas = Replicas(group.n, redis_url=redis_url, model=group.model, devices=group.devices,
                                 threads=threads, gpus_per_replica=gpus_per_replica, detach=True, first=first,
                                 log_path=run_dir / ("replicas.log" if i == 0 else f"replicas-{i}.log"),
-                                env={"REPLICADP_SERVED_MODEL_NAME": group.served_name} if group.served_name else {})
+                                env=group.env)
             replicas.start(timeout)
             state["declared"] = state.get("declared", []) + replicas.declared
             state["launcher_pids"].append(replicas.proc.pid)

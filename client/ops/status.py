@@ -15,7 +15,7 @@ from rich.table import Table
 from replicadp_tasks import app
 from replicadp_tasks.broker import next_request
 from replicadp_tasks.cluster import connection, fleet, heartbeat
-from replicadp_tasks.contract import Accepts, Phase, Priority, Quality, keys, queue_for
+from replicadp_tasks.contract import Accepts, Phase, Priority, Quality, Recipe, keys, queue_for
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import live_replicas, redis_client, redis_url, replica_info
@@ -29,19 +29,30 @@ def fast_path(info: dict) -> str | None:
     return info.get("cache") if Quality.FAST in (info.get("qualities") or []) else None
 
 
+def recipe_of(info: dict) -> str | None:
+    """A replica's sampling recipe in one line (Recipe.describe), None for none."""
+    return None if not info.get("recipe") else Recipe.from_wire(info["recipe"]).describe()
+
+
 def accepted_by(infos: list[dict]) -> Accepts:
     """What the replicas of these ReplicaInfos all accept (any of them may take a request), as the gateway and the
     CLI check a request before sending it: the largest size multiple, the qualities all of them serve, the fewest
     experts (1 refuses the two-expert fields), a first frame required if some serve an image-to-video model, the
-    adapters every one of them registered. With none live: Accepts(), and the task checks."""
+    adapters every one of them registered, and the sampling recipe of their model (of each adapter) where they
+    agree on it. With none live: Accepts(), and the task checks."""
     if not infos:
         return Accepts()
     served = set.intersection(*(set(i.get("qualities") or [Quality.STANDARD]) for i in infos))
     everywhere = set.intersection(*({a["name"] for a in i.get("loras") or []} for i in infos))
     loras = {a["name"]: a["scale"] for a in infos[0].get("loras") or [] if a["name"] in everywhere}
+    recipes = {json.dumps(i.get("recipe"), sort_keys=True) for i in infos}
+    recipe = infos[0].get("recipe") if len(recipes) == 1 else None
     return Accepts(size_multiple=max(int(i.get("size_multiple") or 16) for i in infos),
                    qualities=tuple(sorted(served, reverse=True)), experts=min(int(i.get("experts") or 1) for i in infos),
-                   requires_image=any(i.get("requires_image") for i in infos), loras=loras)
+                   requires_image=any(i.get("requires_image") for i in infos), loras=loras,
+                   recipe=None if recipe is None else Recipe.from_wire(recipe),
+                   lora_recipes={a["name"]: Recipe.from_wire(a["recipe"]) for a in infos[0].get("loras") or []
+                                 if a["name"] in everywhere and a.get("recipe")})
 
 
 def live_accepted(model: str, timeout: float = 1.0) -> Accepts:
@@ -121,6 +132,7 @@ def snapshot() -> dict:
             "fast_path": fast_path(info[name]), "offload": info[name].get("offload"),
             "parallel": info[name].get("parallel"),
             "loras": [a["name"] for a in info[name].get("loras") or []],
+            "fused": [a["name"] for a in info[name].get("fused") or []], "recipe": recipe_of(info[name]),
             "request_id": progress.get("request_id") or (running or {}).get("task_id"),
             "phase": progress.get("phase"), "step": progress.get("step"), "total_steps": progress.get("total_steps"),
             "running_s": time.time() - running["started_at"] if running else None,
@@ -164,7 +176,8 @@ def table(snap: dict) -> Table:
         running = "-" if r["running_s"] is None else f"{r['running_s']:.0f} s"
         ways = [f"offload {r['offload']}" if r["offload"] not in (None, "none") else "",
                 r["parallel"] if r["parallel"] not in (None, "none") else "",
-                f"LoRA {', '.join(r['loras'])}" if r.get("loras") else ""]
+                f"LoRA {', '.join(r['loras'])}" if r.get("loras") else "",
+                f"fused {', '.join(r['fused'])}" if r.get("fused") else "", r.get("recipe") or ""]
         model = str(r["model"]) + (f" ({', '.join(w for w in ways if w)})" if any(ways) else "")
         t.add_row(r["name"], str(r["device"]), model, r["fast_path"] or "-", "yes" if r["serving"] else "no",
                   str(r["request_id"] or "-"), bar, step, running)

@@ -94,7 +94,9 @@ class ReplicaInfo(TypedDict):
     qualities: list[str]  # what a request's `quality` may be here (step_cache.Quality)
     cache: str  # the step cache fast requests run with (step_cache.StepCache), "none" without
     quantize: str  # the transformer's quantization (quantization.Quantize)
-    loras: list[dict]  # the registered adapters a request may name: name, source, scale, experts, sha256
+    loras: list[dict]  # the registered adapters a request may name: name, source, scale, experts, sha256, recipe
+    fused: list[dict]  # the adapters fused into its weights at load, as `loras` lists them (a few-step model's)
+    recipe: dict | None  # its model's sampling recipe (contract/recipe.py, Recipe.to_wire), None for none
     offload: str  # where the models it is not running wait (memory.Offload)
     parallel: str  # how its ranks split a request (parallel.Layout), "none" for one process
     pid: int

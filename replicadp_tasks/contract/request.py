@@ -18,7 +18,9 @@ from typing import Mapping
 
 from .errors import InvalidRequest
 from .keys import REQUEST_ID_RE
+from .limits import MAX_FPS, MAX_FRAMES, MAX_GUIDANCE, MAX_SEED, MAX_SEQUENCE_LENGTH, MAX_SIDE, MAX_STEPS
 from .models import check_model_name
+from .recipe import Recipe
 from .scheduling import check_priority, check_tenant, check_user
 from .webhook import Webhook, check_webhook
 
@@ -79,13 +81,6 @@ FIELDS = ("prompt", *DEFAULTS, *SCHEDULING_FIELDS, *WEBHOOK_FIELDS, *ROUTING_FIE
 REFERENCE_SIZE = f"{DEFAULTS['width']}x{DEFAULTS['height']}"
 REFERENCE_WORK = DEFAULTS["height"] * DEFAULTS["width"] * DEFAULTS["num_frames"] * DEFAULTS["num_inference_steps"]
 
-MAX_SIDE = 4096
-MAX_FRAMES = 1025
-MAX_STEPS = 200
-MAX_GUIDANCE = 20.0
-MAX_FPS = 120
-MAX_SEQUENCE_LENGTH = 512
-MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -157,6 +152,20 @@ class Accepts:
     sequence_ranks: int = 1
     parallel: str = "none"
     tokens: Tokens | None = None
+    # Few-step sampling (recipe.py): the model's own recipe, and the registered adapters' that bring one.
+    recipe: Recipe | None = None
+    lora_recipes: Mapping[str, Recipe] = field(default_factory=dict)
+
+    def recipe_for(self, loras: tuple[tuple[str, float | None], ...]) -> tuple[Recipe, str] | None:
+        """The recipe a request with these adapters samples with, and whose it is (for messages): the model's, or
+        that of the one adapter named that brings one; None for neither. InvalidRequest naming `loras` where two
+        would apply."""
+        recipes = [(f"adapter {name!r}", self.lora_recipes[name]) for name, _ in loras if name in self.lora_recipes]
+        recipes = ([("this model", self.recipe)] if self.recipe is not None else []) + recipes
+        if len(recipes) > 1:
+            _fail("loras", [name for name, _ in loras], f"{recipes[0][0]} and {recipes[1][0]} each bring a sampling "
+                  "recipe of their own; a request runs with one")
+        return (recipes[0][1], recipes[0][0]) if recipes else None
 
 
 
@@ -332,7 +341,15 @@ def validate_request(kwargs: dict, accepts: Accepts = Accepts(), *, max_prompt_c
     check_user(kwargs.get("user"))
     if kwargs.get("model") is not None:
         check_model_name(kwargs["model"])
-    v = {**DEFAULTS, **accepts.defaults, **{k: x for k, x in kwargs.items() if x is not None and k not in NOT_INPUTS}}
+    loras = check_loras(kwargs.get("loras"), accepts.loras)
+    given = {k: x for k, x in kwargs.items() if x is not None and k not in NOT_INPUTS}
+    # A few-step model's (or adapter's) recipe: its steps and guidance by default, refusing what it cannot do.
+    recipe = accepts.recipe_for(loras)
+    if recipe is not None:
+        recipe[0].check(given, recipe[1])
+    # A two-expert model's own defaults name guidance_scale_2: the recipe's replaces it.
+    experts = 2 if "guidance_scale_2" in accepts.defaults else 1
+    v = {**DEFAULTS, **accepts.defaults, **(recipe[0].defaults(experts) if recipe else {}), **given}
 
     for side in ("height", "width"):
         _int(side, v[side], accepts.size_multiple, MAX_SIDE)
@@ -378,7 +395,7 @@ def validate_request(kwargs: dict, accepts: Accepts = Accepts(), *, max_prompt_c
             "guidance_scale_2", v["guidance_scale_2"], 0.0, MAX_GUIDANCE),
         boundary_ratio=None if v["boundary_ratio"] is None else _float(
             "boundary_ratio", v["boundary_ratio"], 0.0, 1.0),
-        loras=check_loras(v["loras"], accepts.loras),
+        loras=loras,
         webhook=check_webhook(kwargs.get("webhook"), kwargs.get("webhook_events"), kwargs.get("tenant")),
     )
     work = req.height * req.width * req.num_frames * req.num_inference_steps

@@ -19,7 +19,7 @@ from .pipeline import PipelineHolder
 from .quantization import Quantize
 from .step_cache import CacheMethod, StepCache, calibrate_mag, mag_ratios_file
 from .synthetic import SyntheticBackend
-from .tiny_model import ensure_tiny_model, save_tiny_lora
+from .tiny_model import TURBO_RECIPE, ensure_tiny_model, save_tiny_lora, save_tiny_turbo
 
 
 def open_pipeline(options: ModelOptions, **place) -> PipelineHolder | SyntheticBackend:
@@ -33,4 +33,4 @@ def open_pipeline(options: ModelOptions, **place) -> PipelineHolder | SyntheticB
 __all__ = ["GPU_MEMORY_GIB", "PEAK_TFLOPS", "RANDOM_PREFIX", "TINY_SPECS", "CacheMethod", "Layout", "ModelOptions",
            "Offload", "PipelineHolder", "Quantize", "StepCache", "SyntheticBackend", "architectures", "calibrate_mag",
            "conflicts", "describe_device", "ensure_tiny_model", "mag_ratios_file", "memory", "open_pipeline",
-           "read_registry", "resolve_model", "save_tiny_lora"]
+           "read_registry", "resolve_model", "save_tiny_lora", "save_tiny_turbo", "TURBO_RECIPE"]

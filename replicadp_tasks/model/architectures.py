@@ -343,13 +343,18 @@ def expert_steps(scheduler, steps: int, boundary_ratio: float | None) -> tuple[i
 
 def reference_expert_flops(name: str, *, height: int = DEFAULTS["height"], width: int = DEFAULTS["width"],
                            num_frames: int = DEFAULTS["num_frames"],
-                           steps: int = DEFAULTS["num_inference_steps"]) -> dict[str, dict]:
+                           steps: int = DEFAULTS["num_inference_steps"], recipe=None) -> dict[str, dict]:
     """Each expert of architecture `name`: the steps it runs and its `request_flops`, by default for the
-    reference request (guidance on). `{"transformer": {"steps": ..., "dit_flops": ...}, ...}`."""
+    reference request (guidance on), or for a request sampling with `recipe` (contract/recipe.py: its steps,
+    guidance and scheduler). `{"transformer": {"steps": ..., "dit_flops": ...}, ...}`."""
+    from .sampling import scheduler_for
+
     arch = architecture(name)
-    split = expert_steps(build_scheduler(arch), steps, arch.boundary_ratio)  # (steps, 0) for one expert
+    guidance = True if recipe is None else recipe.guidance_scale > 1.0  # the pipelines' rule, as request_flops'
+    steps = steps if recipe is None else recipe.num_inference_steps
+    split = expert_steps(scheduler_for(build_scheduler(arch), recipe), steps, arch.boundary_ratio)  # (steps, 0): one
     return {expert: {"steps": n, "dit_flops": request_flops(
-                arch.transformer, height=height, width=width, num_frames=num_frames, steps=n, guidance=True,
+                arch.transformer, height=height, width=width, num_frames=num_frames, steps=n, guidance=guidance,
                 vae_spatial=arch.vae.get("scale_factor_spatial", 8),
                 vae_temporal=arch.vae.get("scale_factor_temporal", 4), per_token_timesteps=arch.ti2v)}
             for expert, n in zip(arch.experts, split)}

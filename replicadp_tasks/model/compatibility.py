@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..contract.errors import ModelLoadError
+from . import adapters
 from .memory import Offload
 from .options import COMPILE_MODES, ModelOptions
 from .quantization import Quantize
@@ -24,7 +25,8 @@ def chosen(options: ModelOptions) -> dict[str, str | None]:
               "REPLICADP_OFFLOAD": (options.offload, Offload.NONE),
               "REPLICADP_PARALLEL": (str(options.layout), "none")}
     set_ = {name: str(value) for name, (value, default) in values.items() if value != default}
-    return set_ | ({"REPLICADP_LORAS": None} if options.loras_file else {})
+    # Adapters fused at load are the model's weights: only those switched per request take part.
+    return set_ | ({"REPLICADP_LORAS": None} if adapters.switched(options.loras_file) else {})
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,8 @@ CONFLICTS = (
     # diffusers' cache hooks are torch.compiler.disable'd functions inside the blocks that compile traces whole
     # (fullgraph): every fast request would fail (tried on the tiny model, each method).
     Conflict("REPLICADP_CACHE", "REPLICADP_COMPILE", "the cache's hooks cannot be compiled"),
-    # Adapters switched per request have not run with these: compile would trace them in or out, FP8 and
-    # offloading move the layers peft wraps, followers would need the same switching.
+    # Adapters switched per request (not fused at load) have not run with these: compile would trace them in or out,
+    # FP8 and offloading move the layers peft wraps, followers would need the same switching.
     Conflict("REPLICADP_LORAS", "REPLICADP_COMPILE", NOT_YET),
     Conflict("REPLICADP_LORAS", "REPLICADP_QUANTIZE", NOT_YET),
     Conflict("REPLICADP_LORAS", "REPLICADP_OFFLOAD", NOT_YET),

@@ -36,6 +36,7 @@ class ModelOptions:
     parallel_timeout_s: float = 60.0  # REPLICADP_PARALLEL_TIMEOUT
     load_timeout_s: float = 900.0  # REPLICADP_LOAD_TIMEOUT: also how long the ranks wait for each other to start
     loras_file: str | None = None  # REPLICADP_LORAS: the registered adapters (adapters.py)
+    recipe: str | None = None  # REPLICADP_RECIPE: the model's sampling recipe, a TOML inline table (contract/recipe.py)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(replace(self, model_cache=str(self.model_cache)))})

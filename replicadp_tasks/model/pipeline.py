@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from ..contract.errors import GroupLost, InvalidRequest, ModelLoadError, OutOfMemory
+from ..contract.recipe import Recipe, parse_recipe
 from ..contract.request import Accepts, GenerateRequest, Quality
 from . import adapters, compatibility, determinism, parallel
 from .architectures import (ARCHITECTURES, architecture, architecture_of, build_components, build_pipeline,
@@ -27,6 +28,7 @@ from .memory import Offload, apply as apply_offload, check as check_memory, mode
 from .options import ModelOptions
 from .parallel import Followers
 from .quantization import Quantize, quantize
+from .sampling import scheduler_for
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class PipelineHolder:
         # next one rebuilds it.
         self.group_broken: str | None = None
         self.adapters: list[adapters.Adapter] = []  # loaded at start, each switched on only by the requests naming it
+        self.fused: list[adapters.Adapter] = []  # fused into the weights at load: part of the model
+        self.recipe: Recipe | None = None  # the model's sampling recipe (a few-step model's), else None
+        self.schedulers: dict[str, object] = {}  # a switched adapter's name -> the scheduler of its recipe
         self.pipe = None
         self._i2v = None
         self.device = "cpu"
@@ -122,20 +127,25 @@ class PipelineHolder:
         pipe = self.pipe
         return Accepts(size_multiple=self.size_multiple, qualities=tuple(self.qualities), experts=self.expert_count,
                        takes_image=self.accepts_image, requires_image=self.requires_image,
-                       defaults=self.request_defaults, loras=self.lora_scales,
+                       defaults=self.request_defaults, loras=self.lora_scales, recipe=self.recipe,
+                       lora_recipes={a.name: a.recipe for a in self.adapters if a.recipe is not None},
                        sequence_ranks=self.options.layout.sequence, parallel=str(self.options.layout),
                        tokens=tokens_of(pipe.transformer.config, vae_spatial=pipe.vae_scale_factor_spatial,
                                         vae_temporal=pipe.vae_scale_factor_temporal))
 
     def served(self, req: GenerateRequest) -> dict:
         """What about this deployment changes a request's output besides its inputs and the model: the step cache
-        (fast requests), a layout over several ranks (ring's merge rounds otherwise), the quantization, and the
-        files of the adapters the request names (a name registered anew to other weights is another input). Part
-        of the input's identity (contract.request.input_key) and its Result."""
+        (fast requests), a layout over several ranks (ring's merge rounds otherwise), the quantization, the files
+        of the adapters fused into the model and of those the request names (a name registered anew to other
+        weights is another input), and the scheduler, shift and timesteps of the recipe it samples with. Part of
+        the input's identity (contract.request.input_key) and its Result."""
         o = self.options
         served = {"cache": str(o.cache)} if req.quality == Quality.FAST else {}
         served |= {"parallel": str(o.layout)} if o.layout.size > 1 else {}
         served |= {"quantize": str(o.quantize)} if o.quantize != Quantize.NONE else {}
+        served |= {"fused": {a.name: a.sha256 for a in self.fused}} if self.fused else {}
+        recipe = self.accepts.recipe_for(req.loras)
+        served |= {"recipe": recipe[0].sampling()} if recipe else {}
         files = {a.name: a.sha256 for a in self.adapters}
         return served | ({"loras": {name: files[name] for name, _ in req.loras}} if req.loras else {})
 
@@ -147,6 +157,7 @@ class PipelineHolder:
         # 1. What this deployment cannot combine, refused before anything loads; its adapters' registry, read.
         compatibility.check(o)
         registrations = adapters.read_registry(o.loras_file)
+        recipe = self._model_recipe(registrations)
         # 2. The device(s) and dtype; with a layout over several ranks, the group.
         dtype = self._claim_devices()
         if o.layout.size > 1:
@@ -154,23 +165,51 @@ class PipelineHolder:
         # 3. The model, its memory option checked against what each device has before any weight reaches a GPU.
         pipe = self._build_or_load(dtype)
         compatibility.check_experts(o, len(experts(pipe)))
-        # 4. Its weights on the device(s), resident or offloaded; its adapters, all off until a request names one.
+        # 4. Its adapters: those marked so fused into its weights (another model, then), the others all off until
+        #    a request names one; the schedulers of its recipes.
+        loaded = adapters.load(pipe, registrations)
+        self.fused, self.adapters = [a for a in loaded if a.fused], [a for a in loaded if not a.fused]
+        self._set_recipes(pipe, recipe)
+        # 5. Its weights on the device(s), resident or offloaded.
         if o.offload == Offload.NONE:
             place(pipe, self.devices)
         else:
             apply_offload(pipe, o.offload, self.devices[0])
-        self.adapters = adapters.load(pipe, registrations)
-        # 5. Fidelity for speed, for every request: an FP8 transformer (REPLICADP_QUANTIZE), before it is compiled.
+        # 6. Fidelity for speed, for every request: an FP8 transformer (REPLICADP_QUANTIZE), before it is compiled.
         #    The step cache is the other such option, installed per fast request (generate).
         quantize(pipe, o.quantize, self.device, self.devices)
-        # 6. Speed: the attention kernels, each expert's passes split over the ranks, and compilation (on the first
+        # 7. Speed: the attention kernels, each expert's passes split over the ranks, and compilation (on the first
         #    request of a shape).
         self._speed_up(pipe)
-        # 7. Memory for speed: the VAE decodes in tiles.
+        # 8. Memory for speed: the VAE decodes in tiles.
         if o.vae_tiling:
             pipe.vae.enable_tiling()
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
+
+    def _model_recipe(self, registrations: list[adapters.Registration]) -> Recipe | None:
+        """The model's sampling recipe: REPLICADP_RECIPE's, or that of the adapter fused into it with one;
+        ModelLoadError where both give one."""
+        fused = [r for r in registrations if r.fuse and r.recipe is not None]
+        if self.options.recipe is None:
+            return fused[0].recipe if fused else None
+        if fused:
+            raise ModelLoadError(f"REPLICADP_RECIPE={self.options.recipe!r} cannot be combined with REPLICADP_LORAS's "
+                                 f"adapter {fused[0].name!r}, fused with a recipe of its own: give the recipe once")
+        return parse_recipe(self.options.recipe, f"REPLICADP_RECIPE={self.options.recipe!r}")
+
+    def _set_recipes(self, pipe, recipe: Recipe | None) -> None:
+        """The model samples with its recipe's scheduler from now on; each switched adapter's recipe gets its own,
+        for the requests naming it. ModelLoadError for a recipe giving guidance_scale_2 to a model of one expert."""
+        recipes = [("REPLICADP_RECIPE", recipe)] + [(f"REPLICADP_LORAS: adapter {a.name!r}", a.recipe)
+                                                    for a in self.adapters]
+        for where, r in recipes:
+            if r is not None and r.guidance_scale_2 is not None and len(experts(pipe)) == 1:
+                raise ModelLoadError(f"{where}: guidance_scale_2 is for two-expert models; this one has one expert")
+        self.recipe = recipe
+        pipe.scheduler = scheduler_for(pipe.scheduler, recipe)
+        self.schedulers = {a.name: scheduler_for(pipe.scheduler, a.recipe) for a in self.adapters
+                           if a.recipe is not None}
 
     def _claim_devices(self):
         """The libraries (reproducible where asked: before torch starts MKL and cuBLAS), this replica's device(s)
@@ -365,10 +404,11 @@ class PipelineHolder:
     @contextmanager
     def _request_state(self, req: GenerateRequest, pipe):
         """What this request alone changes on the shared pipeline: its LoRA adapters, the fast path's step cache
-        hooks (on each expert, with state of its own: the i2v view shares them), and a two-expert request's own
-        boundary (diffusers reads boundary_ratio from the pipeline's config). All are undone at its end, also when
+        hooks (on each expert, with state of its own: the i2v view shares them), a two-expert request's own
+        boundary (diffusers reads boundary_ratio from the pipeline's config), and the scheduler of its adapter's
+        recipe. All are undone at its end, also when
         it fails half-way: no such state outlives its request (adapters.py, step_cache.py)."""
-        boundary = self.boundary_ratio
+        boundary, scheduler = self.boundary_ratio, pipe.scheduler
         if req.quality == Quality.FAST:
             for expert in experts(self.pipe):
                 expert.enable_cache(self.options.cache.config(req.num_inference_steps, lambda: pipe.current_timestep))
@@ -377,8 +417,10 @@ class PipelineHolder:
                 adapters.activate(self.pipe, req.loras)
             if req.boundary_ratio is not None:
                 pipe.register_to_config(boundary_ratio=req.boundary_ratio)
+            pipe.scheduler = self.scheduler_of(req)
             yield
         finally:
+            pipe.scheduler = scheduler
             if self.adapters:
                 adapters.deactivate(self.pipe)
             if self.guidance is not None:
@@ -415,6 +457,10 @@ class PipelineHolder:
             device=pipe._execution_device)
         self.guidance.negative = kwargs["negative_prompt_embeds"] if guided else None
 
+    def scheduler_of(self, req: GenerateRequest):
+        """The scheduler `req` samples with: its adapter's recipe's, else the model's."""
+        return next((self.schedulers[name] for name, _ in req.loras if name in self.schedulers), self.pipe.scheduler)
+
     def dit_flops(self, req: GenerateRequest) -> int:
         """The transformers' FLOPs for `req`, both experts together (see expert_flops)."""
         return sum(self.expert_flops(req).values())
@@ -424,7 +470,7 @@ class PipelineHolder:
         the steps the scheduler puts at or above the boundary go to `transformer`, the others to `transformer_2`."""
         pipe = self.pipe
         boundary = self.boundary_ratio if req.boundary_ratio is None else req.boundary_ratio
-        split = expert_steps(pipe.scheduler, req.num_inference_steps, boundary)
+        split = expert_steps(self.scheduler_of(req), req.num_inference_steps, boundary)
         return {name: request_flops(
                     expert.config, height=req.height, width=req.width, num_frames=req.num_frames, steps=steps,
                     guidance=req.guidance_scale > 1.0, vae_spatial=pipe.vae_scale_factor_spatial,

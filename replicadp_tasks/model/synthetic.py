@@ -29,6 +29,8 @@ class SyntheticBackend:
         self.accepts = Accepts(size_multiple=16, qualities=(Quality.STANDARD,), experts=1, takes_image=True,
                                loras={})
         self.adapters: list = []
+        self.fused: list = []
+        self.recipe = None
         self.followers = None
         self.group_broken: str | None = None
         self.last_run: RunStats | None = None

@@ -88,3 +88,62 @@ def save_tiny_lora(model_dir, out_file, seed: int, rank: int = 4, expert: str = 
     WanPipeline.save_lora_weights(out_file.parent, transformer_lora_layers=get_peft_model_state_dict(transformer),
                                   weight_name=out_file.name)
     return out_file
+
+
+# The layers a distilled Wan adapter adapts, as LightX2V and Wan2.2 Lightning publish them (the original Wan key
+# layout: `diffusion_model.blocks.N.<layer>.lora_down/lora_up.weight` and `.alpha`), and diffusers' names for them.
+DISTILL_LAYERS = {"self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+                  "self_attn.o": "attn1.to_out.0", "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k",
+                  "cross_attn.v": "attn2.to_v", "cross_attn.o": "attn2.to_out.0", "ffn.0": "ffn.net.0.proj",
+                  "ffn.2": "ffn.net.2"}
+
+
+def save_tiny_distill_lora(model_dir, out_file, seed: int, rank: int = 4, expert: str = "transformer",
+                           strength: float = 0.5) -> pathlib.Path:
+    """A small random adapter in LightX2V's key layout (the original Wan names, lora_down/lora_up with an alpha,
+    and a `diff_b` bias delta on each layer, as LightX2V's have) for `expert` of the tiny model in `model_dir`, seeded:
+    the same bytes every time. diffusers converts the layout as it loads it (the stand-in for a distilled adapter:
+    it changes the video, as a real one does, but was distilled from nothing). `strength` bounds each delta."""
+    import torch
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    transformer = WanTransformer3DModel.from_pretrained(model_dir, subfolder=expert)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, _ in enumerate(transformer.blocks):
+        for original, ours in DISTILL_LAYERS.items():
+            layer = transformer.get_submodule(f"blocks.{i}.{ours}")
+            key = f"diffusion_model.blocks.{i}.{original}"
+            down = torch.randn(rank, layer.in_features, generator=generator) * strength / layer.in_features ** 0.5
+            tensors[f"{key}.lora_down.weight"] = down
+            tensors[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=generator) * strength
+            tensors[f"{key}.alpha"] = torch.tensor(float(rank))
+            tensors[f"{key}.diff_b"] = torch.randn(layer.out_features, generator=generator) * strength * 0.1
+    out_file = pathlib.Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_file))
+    return out_file
+
+
+# The stand-ins' recipe: Wan2.2 Lightning's and LightX2V's published 4-step one (no CFG: one pass a step).
+TURBO_RECIPE = ('{ num_inference_steps = 4, guidance_scale = 1.0, scheduler = "flow-match-euler", shift = 5.0, '
+                'timesteps = [1000, 750, 500, 250] }')
+
+
+def save_tiny_turbo(model_dir, folder, seed: int = 0) -> dict[str, pathlib.Path]:
+    """A tiny few-step kit for the tiny model in `model_dir`, in `folder`: a distilled-layout adapter per expert
+    (save_tiny_distill_lora; a pair for a two-expert model, as Wan2.2 Lightning's) and two registries
+    (REPLICADP_LORAS) of it with TURBO_RECIPE: `fused.toml` fuses it at load (a replica of the few-step model),
+    `adapters.toml` registers it as `turbo`, switched on by the requests naming it. Returns the registries."""
+    model_dir, folder = pathlib.Path(model_dir), pathlib.Path(folder)
+    experts = [e for e in ("transformer", "transformer_2") if (model_dir / e).is_dir()]
+    files = {e: save_tiny_distill_lora(model_dir, folder / f"turbo-{e}.safetensors", seed + i, expert=e).name
+             for i, e in enumerate(experts)}
+    source = f'"{files["transformer"]}"' if len(files) == 1 else \
+        "{ " + ", ".join(f'{e} = "{name}"' for e, name in files.items()) + " }"
+    registries = {}
+    for name, fuse in (("fused", "true"), ("adapters", "false")):
+        registries[name] = folder / f"{name}.toml"
+        registries[name].write_text(f"[adapters.turbo]\nsource = {source}\nfuse = {fuse}\nrecipe = {TURBO_RECIPE}\n")
+    return registries
