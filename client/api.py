@@ -23,7 +23,7 @@ from replicadp_tasks import app, generate
 from replicadp_tasks.app import check_one_redis
 from replicadp_tasks.broker import ModelRouter, fleet, transport_for
 
-from replicadp_tasks.cluster import connection, heartbeat, redacted, replication
+from replicadp_tasks.cluster import connection, heartbeat, preempt, redacted, replication
 from replicadp_tasks.contract import InvalidRequest, RequestState, Result, keys
 from replicadp_tasks.outputs import delete_stored, fetch_video as _fetch, with_video_url
 from replicadp_tasks.settings import SETTINGS
@@ -175,6 +175,18 @@ def cancel_request(task_id: str) -> None:
         pipe.publish(keys.CANCEL_CHANNEL, task_id)  # the replica running it hears it at once (replica.fences.FenceKeeper)
         pipe.execute()
     replication.durable(client, cancel, f"cancel of {task_id}", SETTINGS.durability)
+
+
+def preempt_request(task_id: str, at_step: int = 1) -> None:
+    """Preempt a running request: it stops at its next denoising step (or, if it has not reached `at_step` yet, at
+    that step: to reproduce a preemption where it is wanted), its state is saved, and it goes back to the head of
+    its priority list, to go on from that step on whichever replica takes it next, with the frames of a run never
+    stopped (a fast-path request starts again instead). Past
+    REPLICADP_MAX_PREEMPTIONS preemptions a request runs to its end; never at its last step. Asked of a request
+    that has not started, it holds for a minute (cluster/preempt.ASK_S)."""
+    client = app.backend.client
+    replication.durable(client, lambda: preempt.ask(client, task_id, at_step), f"preemption of {task_id}",
+                        SETTINGS.durability)
 
 
 def run_requests(requests: Iterable[dict], concurrency: int = 0, timeout: float = 1800.0,

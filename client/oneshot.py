@@ -21,7 +21,7 @@ from replicadp_tasks.contract import READY, Phase, RequestState, Result, keys, q
 from replicadp_tasks.settings import SETTINGS
 
 from .api import (ClientError, Outcome, cancel_request, check_redis, error_message, fetch_video, live_replicas,
-                  redacted, redis_url, run_requests)
+                  preempt_request, redacted, redis_url, run_requests)
 
 
 class Status(StrEnum):
@@ -135,6 +135,8 @@ def status_of(task_id: str) -> RequestStatus:
         if isinstance(info, dict):
             view.update(replica=info.get("replica") or info.get("hostname"), phase=info.get("phase"),
                         step=info.get("step"), total_steps=info.get("total_steps"))
+            if view["phase"] == Phase.PREEMPTED:  # queued again, to go on from its step
+                view["status"] = Status.QUEUED
     elif _waiting(task_id):
         view["status"] = Status.QUEUED
     return view
@@ -160,10 +162,32 @@ def describe(view: RequestStatus) -> str:
         if view["phase"] not in (None, Phase.DENOISING):
             step = f", {view['phase']}"  # past its last step: decoding, encoding, storing
         return f"{rid}: running on {view['replica'] or '?'}{step}"
+    if status == Status.QUEUED and view["phase"] == Phase.PREEMPTED:
+        return (f"{rid}: queued again: preempted on {view['replica'] or '?'} at step {view['step']}/"
+                f"{view['total_steps']}, to go on from there")
     if status == Status.QUEUED:
         return f"{rid}: queued"
     return (f"{rid}: unknown on {redacted(redis_url())}: never sent there, or its result expired "
             f"(REPLICADP_RESULT_TTL={SETTINGS.result_ttl_s} s)")
+
+
+def preempt(task_id: str) -> RequestStatus:
+    """Preempt request `task_id` if it is running its denoising steps; returns its state before."""
+    view = status_of(task_id)
+    if view["status"] == Status.RUNNING and view["phase"] in (None, Phase.DENOISING):
+        preempt_request(task_id)
+    return view
+
+
+def describe_preempt(view: RequestStatus) -> str:
+    """What `preempt` did, from the request's state before it."""
+    rid, status = view["id"], view["status"]
+    if status == Status.RUNNING and view["phase"] in (None, Phase.DENOISING):
+        return (f"{rid}: preempted; it stops at its next denoising step on {view['replica'] or '?'} and is queued "
+                "again, to go on from there")
+    if status == Status.UNKNOWN:
+        return describe(view) + "; nothing preempted"
+    return describe(view) + "; nothing to preempt: it is not denoising"
 
 
 def describe_cancel(view: RequestStatus) -> str:

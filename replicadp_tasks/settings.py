@@ -85,6 +85,11 @@ def number(name: str, raw: str) -> float:
         refuse(name, repr(raw.strip()), "is not a number")
 
 
+def non_negative(name: str, raw: str) -> float:
+    value = number(name, raw)
+    return value if value >= 0 else refuse(name, value, "is below 0")
+
+
 def positive(name: str, raw: str) -> float:
     value = number(name, raw)
     return value if value > 0 else refuse(name, value, "is not above 0")
@@ -307,6 +312,16 @@ class Settings:
     max_attempts: int = setting(
         "REPLICADP_MAX_ATTEMPTS", 3, "A request whose process dies (OOM kill, CUDA crash) is requeued; past this many "
         "starts it is declared poison and failed, instead of killing replicas forever.", integer)
+    preempt_after_s: float | None = setting(
+        "REPLICADP_PREEMPT_AFTER_S", None, "Preemption by priority (replica/preemption.py): a request of a higher "
+        "priority that would wait longer than this many seconds behind lower-priority work of its model stops the "
+        "one with the most time left at its next step; it goes on from there later. Unset: off, because each "
+        "preempted request's state waits in Redis (about 11 MB at 832x480x33 on TI2V-5B, some 80 MB at "
+        "1280x720x81 on A14B): a deployment turns it on (30 is a good start) once its Redis has that room.",
+        non_negative)
+    max_preemptions: int = setting(
+        "REPLICADP_MAX_PREEMPTIONS", 2, "A request stopped this many times for ones of a higher priority runs to its "
+        "end: each preemption costs it a wait in the queue, and a batch request must finish some day.", integer)
     lease_s: int = setting(
         "REPLICADP_LEASE", 6, "A replica whose heartbeat is this many seconds old is dead: its requests go back to "
         "the queue. Renewed every second by the replica's main process (not the busy child), so 5 ticks may be "

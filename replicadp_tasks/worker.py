@@ -38,6 +38,7 @@ from .cluster.connection import outage_tolerant
 from .cluster.heartbeat import Heartbeat, Running
 from .contract.keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
 from .contract.models import queue_for
+from .contract.scheduling import Priority
 from .contract.records import ReplicaInfo
 from .model import open_pipeline
 from .model.devices import describe_device
@@ -46,7 +47,8 @@ from .replica import child
 from .replica.fences import FenceKeeper
 from .replica.finisher import Finisher
 from .replica.leases import Keeper
-from .replica.outcomes import Exit, Finishing, Parked, exit_process
+from .replica.outcomes import Exit, Finishing, Parked, Preempted, exit_process
+from .replica.preemption import Preemptor
 from .replica.reporter import Reporter
 from .settings import SETTINGS
 
@@ -119,7 +121,11 @@ def _running() -> Running | None:
     """The request the pool child runs, if any (one: concurrency 1)."""
     # A copy: the event loop changes the set meanwhile (set.copy runs no Python code, so it is not interrupted).
     started = [req for req in worker_state.active_requests.copy() if req.time_start]
-    return Running(task_id=started[0].id, started_at=started[0].time_start) if started else None
+    if not started:
+        return None
+    priority = (started[0].kwargs or {}).get("priority")
+    return Running(task_id=started[0].id, started_at=started[0].time_start,
+                   priority=priority if priority in list(Priority) else Priority.NORMAL)
 
 
 @signals.worker_ready.connect
@@ -127,6 +133,10 @@ def _beat(**_):
     """In the main process, once its consumer runs: the heartbeat that tells producers whether it serves."""
     MAIN.heartbeat = Heartbeat(MAIN.name, SETTINGS.redis_url, SETTINGS.replica_stale_s, _consuming, _running,
                                (SETTINGS.served_model_name, *SETTINGS.models), SETTINGS.queue).start()
+    if SETTINGS.preempt_after_s is not None:
+        preemptor = Preemptor(MAIN.name, SETTINGS.redis_url, SETTINGS.served_model_name, MODEL_QUEUE,
+                              SETTINGS.preempt_after_s, SETTINGS.max_preemptions, SETTINGS.replica_stale_s)
+        threading.Thread(target=preemptor.run, name="replicadp-preemption", daemon=True).start()
 
 
 @signals.worker_shutdown.connect
@@ -231,7 +241,8 @@ class ReplicaRequest(Request):
     whose delivery was parked (outcomes.Parked: another delivery computes its request_id) leaves its message in
     Redis, parked on that request's fence (leases.Keeper.park), and frees the replica. So does a request whose
     frames are computed and whose pool child finishes it (outcomes.Finishing), but its message stays this
-    replica's (leases.Keeper.finishing) until the child acknowledges it."""
+    replica's (leases.Keeper.finishing) until the child acknowledges it. A preempted request (outcomes.Preempted)
+    goes back to the head of its priority list at once."""
 
     def _settle_here(self) -> None:
         """Settle the message in this process only, leaving Redis as it is: Celery's ack would remove it from
@@ -251,6 +262,13 @@ class ReplicaRequest(Request):
                 MAIN.keeper.park(self)
             except redis.RedisError as err:  # still recorded as this replica's: the sweep requeues it when back
                 log.warning("cannot park %s now: %s", self.id, err)
+            self._settle_here()
+        elif isinstance(exc, Preempted) and MAIN.keeper is not None:
+            worker_state.task_ready(self)
+            try:
+                MAIN.keeper.requeue(self.message.delivery_tag, MAIN.keeper.name, "preempted")
+            except redis.RedisError as err:  # still recorded as this replica's: the sweep requeues it when back
+                log.warning("cannot requeue %s now: %s", self.id, err)
             self._settle_here()
         elif isinstance(exc, WorkerLostError):
             _pause("its pool child was lost")

@@ -55,18 +55,19 @@ LAYOUT_REQUESTS = [{"prompt": "a fox in a ring", "negative_prompt": "blurry", "s
                     "num_inference_steps": 4, "guidance_scale": 1.0}]
 
 
-def layout_frames(model: str, layout: str, folder: Path, **env: str) -> tuple[list, list[int]]:
-    """LAYOUT_REQUESTS run by one holder of `model` under `layout` in a process of its own (tests/layout_frames.py,
-    which starts and ends the layout's followers; `env`: more of its settings): each request's frames, and how
-    often rank 0 ran a first transformer block for it."""
+def layout_frames(model: str, layout: str, folder: Path, requests: list[dict] = LAYOUT_REQUESTS,
+                  **env: str) -> tuple[list, list[int]]:
+    """`requests` (LAYOUT_REQUESTS) run by one holder of `model` under `layout` in a process of its own
+    (tests/layout_frames.py, which starts and ends the layout's followers; `env`: more of its settings): each
+    request's frames, and how often rank 0 ran a first transformer block for it."""
     folder.mkdir()
     run = subprocess.run([sys.executable, str(Path(__file__).with_name("layout_frames.py")), str(folder),
-                          json.dumps(LAYOUT_REQUESTS)],
+                          json.dumps(requests)],
                          env={**os.environ, "REPLICADP_MODEL": model, "REPLICADP_PARALLEL": layout,
                               "REPLICADP_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    frames = [np.load(folder / f"{i}.npy") for i in range(len(LAYOUT_REQUESTS))]
+    frames = [np.load(folder / f"{i}.npy") for i in range(len(requests))]
     return frames, json.loads(run.stdout.splitlines()[-1])["block_calls"]
 
 

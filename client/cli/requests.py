@@ -125,6 +125,23 @@ def cancel(request_id):
 
 
 @main.command()
+@click.argument("request_id", metavar="ID")
+@redis_url_option()
+def preempt(request_id):
+    """Preempt a running request by its ID: it stops at its next denoising step, its state saved, and goes back to
+    the head of its priority list, to go on from there (REPLICADP_MAX_PREEMPTIONS at most). Exit 0 if it was
+    preempted, 1 if it was not running its steps, 4 if it is unknown."""
+    from replicadp_tasks.contract import Phase
+
+    from ..oneshot import Status, describe_preempt, preempt as do_preempt
+
+    view = do_preempt(request_id)
+    console.print(describe_preempt(view), markup=False, highlight=False)
+    running = view["status"] == Status.RUNNING and view["phase"] in (None, Phase.DENOISING)
+    sys.exit(Exit.NOT_FOUND if view["status"] == Status.UNKNOWN else Exit.OK if running else Exit.FAILED)
+
+
+@main.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL file results are appended to (default: FILE.results.jsonl).")

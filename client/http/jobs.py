@@ -8,7 +8,7 @@ from datetime import datetime
 
 from fastapi.responses import Response
 
-from replicadp_tasks.contract import READY, RequestState, Result
+from replicadp_tasks.contract import READY, Phase, RequestState, Result
 from replicadp_tasks.settings import SETTINGS
 
 from ..api import with_fresh_url
@@ -30,8 +30,8 @@ def date_done(meta: dict) -> int | None:
 def job_view(record: dict, meta: dict | None, now: float | None = None) -> VideoJob:
     """A job as the API shows it: its request as created, its state from the result backend. A cancelled
     job is `failed` with error code `cancelled`: the four states are what OpenAI's and vllm-omni's clients
-    know; `phase` says more (schema.JobPhase). A job deleted while it ran (its record's `cancelled_at`) is
-    `cancelling` until its request ends, then cancelled, whatever the replica made of it (the gateway removes a
+    know; `phase` says more (schema.JobPhase): a preempted one is `queued` again, at the step it goes on from. A
+    job deleted while it ran (its record's `cancelled_at`) is `cancelling` until its request ends, then cancelled, whatever the replica made of it (the gateway removes a
     video stored meanwhile: Gateway.watch_cancelled, and routes.shown at each read)."""
     now = time.time() if now is None else now
     job = VideoJob(status="queued", progress=0, **{k: v for k, v in record.items()
@@ -71,6 +71,8 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
             if info.get("total_steps"):  # 100 only once the video is stored
                 job.step, job.total_steps = info["step"], info["total_steps"]
                 job.progress = min(99, 100 * info["step"] // info["total_steps"])
+            if job.phase == Phase.PREEMPTED:  # queued again, to go on from its step (its place in the queue too)
+                job.status = "queued"
     if "cancelled_at" in record and status not in READY:
         job.phase, job.phase_elapsed_s = "cancelling", round(max(0.0, now - record["cancelled_at"]), 1)
     job.elapsed_s = round(max(0.0, (ended_at or now) - record.get("admitted_at", job.created_at)), 1)

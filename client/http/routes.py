@@ -75,12 +75,12 @@ async def shown(request: Request, gw: Gateway, found: list[tuple[dict, dict | No
     """The job objects of (record, result meta) pairs, a queued one with its place in the queue and its expected
     start (waits.py); a job deleted while it ran whose video was stored meanwhile has it removed."""
     jobs = [job_view(record, meta) for record, meta in found]
-    if any(job.phase == "queued" for job in jobs):
+    if any(job.status == "queued" for job in jobs):
         positions = await gw.queue_positions()
         cap = capacity(await snapshots(request).get())
         mean = (await recents(request).get()).mean_request_s
         for job in jobs:
-            if job.id in positions:
+            if job.status == "queued" and job.id in positions:
                 job.queue_position = positions[job.id]
                 job.expected_start_s = expected_start_s(job.queue_position - 1, cap, mean)
     for record, meta in found:

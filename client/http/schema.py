@@ -14,8 +14,8 @@ class VideoError(BaseModel):
 
 # Where a job is, finer than its status: queued, a running request's phase (records.Phase), cancelling (deleted
 # while it runs, until its replica stops), or how it ended.
-JobPhase = Literal["queued", "loading_inputs", "denoising", "decoding", "encoding", "storing", "cancelling",
-                   "completed", "failed", "cancelled"]
+JobPhase = Literal["queued", "preempted", "loading_inputs", "denoising", "decoding", "encoding", "storing",
+                   "cancelling", "completed", "failed", "cancelled"]
 
 
 class VideoJob(BaseModel):

@@ -43,6 +43,7 @@ class Running(TypedDict):
 
     task_id: str
     started_at: float  # when the pool child took it (the replica's clock)
+    priority: str  # its contract.scheduling.Priority (what the preemption policy weighs)
 
 
 class Beats(NamedTuple):

@@ -7,7 +7,7 @@ arguments."""
 from . import keys
 from .errors import (FetchError, GroupLost, ImageInputError, InvalidRequest, MessageRefused, ModelLoadError,
                      OutOfMemory, PoisonRequest, RedisURLError, ReplicaDPError, RequestCancelled, RequestIdConflict,
-                     StoreError)
+                     RequestPreempted, StoreError)
 from .models import check_model_name, check_served, choose_model, queue_for
 from .recipe import Recipe, Scheduler, parse_recipe, read_recipe
 from .records import READY, Phase, Progress, ReplicaInfo, RequestState, Result
@@ -20,9 +20,9 @@ from .webhook import Event, Webhook, tenant_secret
 __all__ = ["DEFAULTS", "FIELDS", "MAX_FPS", "MAX_FRAMES", "MAX_STEPS", "READY", "REFERENCE_SIZE", "REFERENCE_WORK",
            "ROUTING_FIELDS", "SCHEDULING_FIELDS", "TENANT_RE", "WEBHOOK_FIELDS", "Accepts", "Event", "FetchError",
            "GenerateRequest", "GroupLost", "ImageInputError", "InvalidRequest", "MessageRefused", "ModelLoadError",
-           "OutOfMemory", "Phase", "PoisonRequest", "Priority", "Progress", "Quality", "RedisURLError",
-           "Recipe", "ReplicaDPError", "ReplicaInfo", "RequestCancelled", "RequestIdConflict", "RequestState", "Result",
-           "Scheduler", "Scheduling", "StoreError", "Webhook", "check_model_name", "check_priority", "check_served",
+           "OutOfMemory", "Phase", "PoisonRequest", "Priority", "Progress", "Quality", "RedisURLError", "Recipe",
+           "ReplicaDPError", "ReplicaInfo", "RequestCancelled", "RequestIdConflict", "RequestPreempted",
+           "RequestState", "Result", "Scheduler", "Scheduling", "StoreError", "Webhook", "check_model_name", "check_priority", "check_served",
            "check_tenant", "check_user", "choose_model", "decode_json", "input_key", "keys", "parse_recipe",
            "parse_size", "queue_for", "queue_lists", "read_recipe", "repeated_key", "split_refusal", "tenant_secret",
            "validate_request"]

@@ -78,6 +78,15 @@ class RequestCancelled(ReplicaDPError):
     """
 
 
+class RequestPreempted(ReplicaDPError):
+    """Raised when a running request is stopped at a step boundary so that a request of a higher priority runs
+    first (`client.api.preempt_request`, or the deployment's preemption policy).
+
+    Fails nothing: its state at that step is saved, it goes back to the head of its priority list, and the replica
+    that takes it next goes on from that step (model/checkpoint.py); the attempt is not counted.
+    """
+
+
 class OutOfMemory(ReplicaDPError):
     """Raised when a request needs more device (or host) memory than the replica has left.
 

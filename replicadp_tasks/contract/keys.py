@@ -17,6 +17,8 @@ REPLICA_KEY = "replicadp:replica:"  # + replica name: JSON ReplicaInfo, what it 
 COMPLETED_KEY = "replicadp:completed"  # sorted set, request_id -> completion time, the last hour (throughput)
 # + ":" + model name: the same, of one model's requests (its videos/min)
 ATTEMPTS_KEY = "replicadp:attempts:"  # + task id: how many times a delivery of it has started
+CHECKPOINT_KEY = "replicadp:checkpoint:"  # + request_id: hash of a preempted request's state (input_key, step, data)
+PREEMPTIONS_KEY = "replicadp:preemptions:"  # + task id: how many times it was preempted
 FENCE_KEY = "replicadp:lock:"  # + request_id: the FenceToken of the delivery computing it (cluster/fence.py)
 STORE_KEY = "replicadp:store:"  # + request_id + ".mp4" / ".json": the video and its Result (REPLICADP_STORE=redis)
 
@@ -57,7 +59,8 @@ UNACKED_INDEX_KEY = "unacked_index"  # sorted set of the same tags, scored by de
 
 # --- written by producers ---------------------------------------------------------------------------------
 CANCEL_KEY = "replicadp:cancel:"  # + task id: set by client.api.cancel_request, read by the replica (lease.FenceKeeper)
-CANCEL_CHANNEL = "replicadp:cancels"  # pub/sub: the task id of each cancel, as it is set (lease.FenceKeeper)
+CANCEL_CHANNEL = "replicadp:cancels"  # pub/sub: the task id of each cancel or preemption, as it is set (FenceKeeper)
+PREEMPT_KEY = "replicadp:preempt:"  # + task id: the step from which to preempt it (client.api.preempt_request)
 REPLICATED_KEY = "replicadp:replicated"  # a counter: written before a WAIT and by each new connection (connection.py)
 # The queue's lists are kombu's, one per priority (scheduling.queue_lists); each has its fairness state here:
 FAIR_KEY = "replicadp:fair:"  # + list name: hash, user -> last fair tag, and ~hwm (scheduling.place)

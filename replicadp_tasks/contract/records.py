@@ -30,6 +30,7 @@ class Phase(StrEnum):
     DECODING = "decoding"  # the VAE turns the latents into frames (after the last step; seconds on a GPU)
     ENCODING = "encoding"  # frames to the MP4
     STORING = "storing"  # the MP4 and its Result to the output store
+    PREEMPTED = "preempted"  # stopped at `step` for a request of a higher priority; queued again, to go on from there
 
 
 class Progress(TypedDict):
@@ -39,6 +40,7 @@ class Progress(TypedDict):
     phase_started_at: float  # unix time, the replica's clock
     step: int
     total_steps: int
+    first_step: int  # the step it went on from, where a preemption stopped an earlier delivery (else 0)
     replica: str
     request_id: str
     pid: int

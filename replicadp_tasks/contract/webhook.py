@@ -21,6 +21,7 @@ class Event(StrEnum):
     PROGRESS = "progress"  # a denoising step, as often as Progress is reported (replica.delivery.PROGRESS_EVERY_S)
     COMPLETED = "completed"  # the video is stored (or was: a request_id's stored result)
     FAILED = "failed"  # the request failed for good (a requeued request has not)
+    PREEMPTED = "preempted"  # stopped at a step for a request of a higher priority, queued again to go on from there
 
 
 EVENTS = frozenset(e.value for e in Event)

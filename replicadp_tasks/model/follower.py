@@ -2,7 +2,8 @@
 replica's pool child (rank 0) with this rank's place and rank 0's model options in the environment.
 
 It loads the same pipeline as rank 0 (rank 0's options, not settings of its own), joins the group, then runs every
-request rank 0 hands it on stdin, one JSON line each, up to the latents: rank 0 decodes, encodes and stores. It
+request rank 0 hands it on stdin, one JSON line each (with the checkpoint it goes on from, if it was preempted), up
+to the latents: rank 0 decodes, encodes and stores. It
 exits when its stdin closes (rank 0 ended it), when rank 0 dies (PDEATHSIG), and on any error (rank 0 sees it
 exit and ends the replica's attempt: parallel.GroupLost), after reporting an out of memory to rank 0, which fails
 the request instead (parallel.Report)."""
@@ -40,9 +41,9 @@ def main() -> int:
     # 3. Each request rank 0 hands over, until it closes stdin. Out of memory here breaks the group as any error
     #    does, but fails the request instead of requeueing it (it would fail again): said to rank 0 before exiting.
     for line in sys.stdin:
-        req, image = parallel.decode_work(line)
+        req, image, resume = parallel.decode_work(line)
         try:
-            holder.generate(req, image)
+            holder.generate(req, image, resume=resume)
         except parallel.Stopped:
             continue
         except OutOfMemory as exc:

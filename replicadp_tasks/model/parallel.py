@@ -223,31 +223,38 @@ class Report(TypedDict):
 
 
 class Work(TypedDict):
-    """What rank 0 hands each follower for one request: the validated inputs, and the first frame as PNG."""
+    """What rank 0 hands each follower for one request: the validated inputs, the first frame as PNG, and the
+    checkpoint it goes on from where it was preempted (every rank resumes from rank 0's: after each step all
+    ranks hold the same latents)."""
 
     request: dict  # contract.request.GenerateRequest's fields (its webhook left out: rank 0 tells its events)
     image_png: str | None  # base64
+    checkpoint: str | None  # base64 of checkpoint.Checkpoint.to_bytes()
 
 
-def encode_work(req, image) -> str:
+def encode_work(req, image, resume=None) -> str:
     png = None
     if image is not None:
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         png = base64.b64encode(buf.getvalue()).decode()
-    return json.dumps(Work(request=asdict(replace(req, webhook=None)), image_png=png)) + "\n"
+    checkpoint = None if resume is None else base64.b64encode(resume.to_bytes()).decode()
+    return json.dumps(Work(request=asdict(replace(req, webhook=None)), image_png=png, checkpoint=checkpoint)) + "\n"
 
 
 def decode_work(line: str):
-    """(GenerateRequest, PIL image or None) from a Work line."""
+    """(GenerateRequest, PIL image or None, Checkpoint or None) from a Work line."""
     from PIL import Image
+
+    from .checkpoint import Checkpoint
 
     work: Work = json.loads(line)
     fields = work["request"]
     req = GenerateRequest(**{**fields, "quality": Quality(fields["quality"]),
                              "loras": tuple((name, scale) for name, scale in fields["loras"])})
     image = None if work["image_png"] is None else Image.open(io.BytesIO(base64.b64decode(work["image_png"])))
-    return req, image
+    resume = None if work["checkpoint"] is None else Checkpoint.from_bytes(base64.b64decode(work["checkpoint"]))
+    return req, image, resume
 
 
 class Followers:
@@ -303,9 +310,10 @@ class Followers:
             time.sleep(0.05)
         return self.oom
 
-    def send(self, req, image) -> None:
-        """Hand every follower the request; GroupLost if one of them is gone."""
-        line = encode_work(req, image)
+    def send(self, req, image, resume=None) -> None:
+        """Hand every follower the request (and the checkpoint it goes on from); GroupLost if one of them is
+        gone."""
+        line = encode_work(req, image, resume)
         for rank, proc in enumerate(self.procs, start=1):
             try:
                 proc.stdin.write(line)

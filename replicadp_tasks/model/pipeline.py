@@ -14,10 +14,11 @@ from typing import Callable
 
 import numpy as np
 
-from ..contract.errors import GroupLost, InvalidRequest, ModelLoadError, OutOfMemory
+from ..contract.errors import GroupLost, InvalidRequest, ModelLoadError, OutOfMemory, RequestPreempted
 from ..contract.recipe import Recipe, parse_recipe
 from ..contract.request import Accepts, GenerateRequest, Quality
 from . import adapters, compatibility, determinism, parallel
+from .checkpoint import Checkpoint, ResumedScheduler, capture
 from .architectures import (ARCHITECTURES, architecture, architecture_of, build_components, build_pipeline,
                             build_tokenizer, expert_steps, request_flops, tokens_of)
 from .devices import (describe_device, device_memory, free_memory, is_out_of_memory, peak_memory_gib,
@@ -322,34 +323,41 @@ class PipelineHolder:
 
     # --- a request -------------------------------------------------------------------------------------------
 
-    def generate(self, req: GenerateRequest, image=None,
-                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray | None:
+    def generate(self, req: GenerateRequest, image=None, on_step: Callable[[int, int], None] | None = None,
+                 resume: Checkpoint | None = None) -> np.ndarray | None:
         """Run one request (validated for this model: `accepts`); return uint8 frames shaped (num_frames, height,
         width, 3) (None on a follower rank). `image` is a PIL first frame; `on_step(step, total)` is called after
-        each denoising step, and what it raises stops the request at that step boundary (a cancel)."""
+        each denoising step, and what it raises stops the request at that step boundary (a cancel); a
+        RequestPreempted raised there comes out with the request's Checkpoint (`checkpoint`), which `resume`
+        takes to go on from that step, with the frames of a run never stopped."""
         import torch
 
         # 1. The call: on the resident pipeline, or for a first frame on a TI2V model, on a view sharing its
         #    weights; its arguments, with a CPU generator seeded per request (the noise is the same on any device
-        #    and any replica); a step callback that times the loop and stops it at a boundary.
+        #    and any replica), or a checkpoint's latents; a step callback that times the loop and stops it at a
+        #    boundary.
         pipe, kwargs = self._call_for(req, image)
-        steps = StepWatch(self, req.num_inference_steps, on_step)
+        if resume is not None:
+            kwargs["latents"] = resume.latents
+        steps = StepWatch(self, req.num_inference_steps, on_step, first=resume.step if resume else 0)
         kwargs["callback_on_step_end"] = steps
         # 2. A layout over several ranks: rank 0 hands every follower the request, and all run the same call.
         if self.followers is not None:
             if self.followers.lost is not None:
                 raise GroupLost(self.followers.lost)
-            self.followers.send(req, image)
+            self.followers.send(req, image, resume)
         # 3. Run it, with this request's own state on the shared pipeline, undone after it (_request_state).
         reset_peak_memory(self.device, self.devices)
         oom = None
         try:
-            with self._request_state(req, pipe), torch.inference_mode():
+            with self._request_state(req, pipe, resume), torch.inference_mode():
                 if self.guidance is not None:
                     self._split_guidance(pipe, req, kwargs)
                 frames = pipe(**kwargs).frames[0]
         except Exception as exc:
             if exc in steps.stopped:
+                if isinstance(exc, RequestPreempted):
+                    exc.checkpoint = steps.checkpoint if self.resumable(req) else None
                 raise
             oom = self._out_of_memory(exc)
             if oom is None:
@@ -369,7 +377,7 @@ class PipelineHolder:
         if frames.shape != expected:
             raise RuntimeError(f"pipeline returned frames of shape {frames.shape}, expected {expected}")
         # 6. What it cost.
-        self.last_run = RunStats(dit_s=steps.loop_s(), dit_flops=self.dit_flops(req),
+        self.last_run = RunStats(dit_s=steps.loop_s(), dit_flops=self.dit_flops(req, steps.first),
                                  peak_memory_gib=peak_memory_gib(self.device, self.devices))
         return frames
 
@@ -402,11 +410,11 @@ class PipelineHolder:
         return self._i2v, kwargs
 
     @contextmanager
-    def _request_state(self, req: GenerateRequest, pipe):
+    def _request_state(self, req: GenerateRequest, pipe, resume: Checkpoint | None = None):
         """What this request alone changes on the shared pipeline: its LoRA adapters, the fast path's step cache
         hooks (on each expert, with state of its own: the i2v view shares them), a two-expert request's own
         boundary (diffusers reads boundary_ratio from the pipeline's config), and the scheduler of its adapter's
-        recipe. All are undone at its end, also when
+        recipe (a fresh one, resumed at its checkpoint's step, for a resumed request). All are undone at its end, also when
         it fails half-way: no such state outlives its request (adapters.py, step_cache.py)."""
         boundary, scheduler = self.boundary_ratio, pipe.scheduler
         if req.quality == Quality.FAST:
@@ -418,6 +426,9 @@ class PipelineHolder:
             if req.boundary_ratio is not None:
                 pipe.register_to_config(boundary_ratio=req.boundary_ratio)
             pipe.scheduler = self.scheduler_of(req)
+            if resume is not None:
+                own = pipe.scheduler
+                pipe.scheduler = ResumedScheduler(type(own).from_config(own.config), resume, self.devices[0])
             yield
         finally:
             pipe.scheduler = scheduler
@@ -457,20 +468,27 @@ class PipelineHolder:
             device=pipe._execution_device)
         self.guidance.negative = kwargs["negative_prompt_embeds"] if guided else None
 
+    def resumable(self, req: GenerateRequest) -> bool:
+        """Whether `req`, preempted, can go on from its checkpoint with the frames of a run never stopped: not on
+        the fast path (its step cache's state lives in hooks, and is not saved: it starts again)."""
+        return req.quality != Quality.FAST
+
     def scheduler_of(self, req: GenerateRequest):
         """The scheduler `req` samples with: its adapter's recipe's, else the model's."""
         return next((self.schedulers[name] for name, _ in req.loras if name in self.schedulers), self.pipe.scheduler)
 
-    def dit_flops(self, req: GenerateRequest) -> int:
+    def dit_flops(self, req: GenerateRequest, first: int = 0) -> int:
         """The transformers' FLOPs for `req`, both experts together (see expert_flops)."""
-        return sum(self.expert_flops(req).values())
+        return sum(self.expert_flops(req, first).values())
 
-    def expert_flops(self, req: GenerateRequest) -> dict[str, int]:
-        """Each expert's FLOPs for `req` (architectures.request_flops), over the steps it runs: for two experts,
-        the steps the scheduler puts at or above the boundary go to `transformer`, the others to `transformer_2`."""
+    def expert_flops(self, req: GenerateRequest, first: int = 0) -> dict[str, int]:
+        """Each expert's FLOPs for `req` (architectures.request_flops), over the steps it runs after its `first`
+        (a resumed request's): for two experts, the steps the scheduler puts at or above the boundary go to
+        `transformer` (they come first), the others to `transformer_2`."""
         pipe = self.pipe
         boundary = self.boundary_ratio if req.boundary_ratio is None else req.boundary_ratio
-        split = expert_steps(self.scheduler_of(req), req.num_inference_steps, boundary)
+        high, low = expert_steps(self.scheduler_of(req), req.num_inference_steps, boundary)
+        split = (max(0, high - first), low - max(0, first - high))
         return {name: request_flops(
                     expert.config, height=req.height, width=req.width, num_frames=req.num_frames, steps=steps,
                     guidance=req.guidance_scale > 1.0, vae_spatial=pipe.vae_scale_factor_spatial,
@@ -482,22 +500,28 @@ class PipelineHolder:
 class StepWatch:
     """The pipeline's step callback for one request: it times the denoising loop (the ends of its first and last
     steps, the GPU's work included: a wait for the GPU at every step would drain its queue), calls `on_step` after
-    each step, and stops the call at the step boundary where `on_step` raises (a cancel): on every rank of a layout
-    at once (parallel.agree)."""
+    each step, and stops the call at the step boundary where `on_step` raises (a cancel, or a preemption: then it
+    keeps the request's checkpoint): on every rank of a layout at once (parallel.agree). A resumed request's loop
+    starts after its `first` steps: the pipeline counts from 0 again, the callback from `first`."""
 
-    def __init__(self, holder: PipelineHolder, total: int, on_step: Callable[[int, int], None] | None):
-        self.holder, self.total, self.on_step = holder, total, on_step
+    def __init__(self, holder: PipelineHolder, total: int, on_step: Callable[[int, int], None] | None,
+                 first: int = 0):
+        self.holder, self.total, self.on_step, self.first = holder, total, on_step, first
         self.marks: list[float] = []
         self.stopped: list[BaseException] = []  # what stopped the request at a step boundary (rank 0's on_step)
+        self.checkpoint: Checkpoint | None = None  # where a preempted request stopped
 
-    def __call__(self, pipe, step: int, timestep, callback_kwargs: dict) -> dict:
-        holder = self.holder
-        if step in (0, self.total - 1):
+    def __call__(self, pipe, index: int, timestep, callback_kwargs: dict) -> dict:
+        holder, step = self.holder, self.first + index
+        if step in (self.first, self.total - 1):
             synchronize(holder.device, holder.devices)
             self.marks.append(time.perf_counter())
         if self.on_step is not None:
             try:
                 self.on_step(step + 1, self.total)
+            except RequestPreempted as exc:
+                self.checkpoint = capture(pipe.scheduler, step + 1, self.total, callback_kwargs["latents"])
+                self.stopped.append(exc)
             except Exception as exc:  # a cancel: every rank must leave the call at this step
                 self.stopped.append(exc)
         if holder.options.layout.size > 1 and parallel.agree(bool(self.stopped), holder.devices[0]) \
@@ -508,8 +532,9 @@ class StepWatch:
         return callback_kwargs
 
     def loop_s(self) -> float | None:
-        """The denoising loop's time. The first step's start is not observed: extrapolated from the others."""
-        n = self.total
+        """The denoising loop's time (a resumed request's: of the steps it ran). The first step's start is not
+        observed: extrapolated from the others."""
+        n = self.total - self.first
         return (self.marks[-1] - self.marks[0]) * n / (n - 1) if len(self.marks) == 2 else None
 
 

@@ -12,7 +12,9 @@ from typing import Callable
 
 import numpy as np
 
+from ..contract.errors import RequestPreempted
 from ..contract.request import REFERENCE_WORK, Accepts, GenerateRequest, Quality
+from .checkpoint import Checkpoint
 from .loading import synthetic_seconds
 from .options import ModelOptions
 from .pipeline import RunStats
@@ -42,19 +44,27 @@ class SyntheticBackend:
         """Nothing of the deployment changes its frames."""
         return {}
 
-    def generate(self, req: GenerateRequest, image=None,
-                 on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """Sleep the request's steps, calling `on_step` after each, then DECODE; the frames of its inputs."""
-        duration = self.seconds * req.height * req.width * req.num_frames * req.num_inference_steps / REFERENCE_WORK
-        start = time.monotonic()
-        for step in range(1, req.num_inference_steps + 1):
+    def generate(self, req: GenerateRequest, image=None, on_step: Callable[[int, int], None] | None = None,
+                 resume: Checkpoint | None = None) -> np.ndarray:
+        """Sleep the request's steps (those after `resume`'s step), calling `on_step` after each, then DECODE; the
+        frames of its inputs. A RequestPreempted from `on_step` comes out with a checkpoint of its step (no state:
+        the frames are its inputs')."""
+        steps = req.num_inference_steps
+        duration = self.seconds * req.height * req.width * req.num_frames * steps / REFERENCE_WORK
+        first = resume.step if resume is not None else 0
+        start = time.monotonic() - duration * first / steps
+        for step in range(first + 1, steps + 1):
             # Absolute deadlines: progress reporting does not stretch the request. A step with no time left does
             # not sleep: time.sleep(0) would hand the GIL to the finisher's thread and wait to get it back.
-            left = start + duration * step / req.num_inference_steps - time.monotonic()
+            left = start + duration * step / steps - time.monotonic()
             if left > 0:
                 time.sleep(left)
             if on_step is not None:
-                on_step(step, req.num_inference_steps)
+                try:
+                    on_step(step, steps)
+                except RequestPreempted as exc:
+                    exc.checkpoint = Checkpoint(step, steps, latents=None, scheduler={}, devices={})
+                    raise
         time.sleep(self.decode_s)
         self.last_run = RunStats(dit_s=None, dit_flops=None, peak_memory_gib=None)
         return frames_of(req, image)

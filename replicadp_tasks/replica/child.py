@@ -15,8 +15,8 @@ from redis import Redis
 from ..broker.transport import record_dead
 from ..cluster import fence
 from ..contract.errors import PoisonRequest, RequestCancelled
-from ..contract.keys import (ATTEMPTS_KEY, CANCEL_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY, FenceToken,
-                             completed_key)
+from ..contract.keys import (ATTEMPTS_KEY, CANCEL_KEY, CHECKPOINT_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY,
+                             FenceToken, completed_key)
 from ..contract.records import RequestState
 from ..model.pipeline import PipelineHolder
 from ..settings import SETTINGS
@@ -71,6 +71,9 @@ class PoolChild:
         pipe.exists(CANCEL_KEY + task_id)
         attempt, _, cancelled = pipe.execute()
         if cancelled:
+            request_id = kwargs.get("request_id")
+            # Where a preemption stopped it, if one did: nobody will go on from there.
+            self.redis.delete(CHECKPOINT_KEY + (request_id if isinstance(request_id, str) else task_id))
             raise RequestCancelled(f"request {task_id} was cancelled before it started")
         if attempt > SETTINGS.max_attempts:
             record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process "
@@ -92,6 +95,7 @@ class PoolChild:
         for completed in (COMPLETED_KEY, completed_key(SETTINGS.served_model_name)):
             pipe.zadd(completed, {request_id: now})
             pipe.zremrangebyscore(completed, 0, now - 3600)
+        pipe.delete(CHECKPOINT_KEY + request_id)  # where it was preempted, if it was: done with
         fence.release_unless(pipe, fence_key, tok, CANCEL_KEY + task_id)
         return not pipe.execute()[-1]
 

@@ -21,19 +21,21 @@ from celery.utils.saferepr import saferepr
 
 from ..cluster import fence, replication
 from ..cluster.fence import FenceAnswer, FenceState
-from ..contract.errors import GroupLost, ReplicaDPError, RequestCancelled, RequestIdConflict
-from ..contract.keys import CANCEL_KEY, STATS_KEY, FenceToken, fence_key
+from ..contract.errors import GroupLost, ReplicaDPError, RequestCancelled, RequestIdConflict, RequestPreempted
+from ..contract.keys import (ATTEMPTS_KEY, CANCEL_KEY, CHECKPOINT_KEY, PREEMPT_KEY, PREEMPTIONS_KEY, STATS_KEY,
+                             FenceToken, fence_key)
 from ..contract.models import check_served
 from ..contract.records import Phase, Progress, RequestState, Result
 from ..contract.request import GenerateRequest, input_key, validate_request
 from ..contract.webhook import Event
 from ..inputs.images import load_first_frame
+from ..model.checkpoint import Checkpoint
 from ..model.pipeline import describe_device
 from ..outputs.video import encode_mp4, frames_sha256
 from ..settings import SETTINGS
 from ..webhooks import check_allowed, emit
 from . import child
-from .outcomes import Exit, Finishing, Parked, exit_process
+from .outcomes import Exit, Finishing, Parked, Preempted, exit_process
 
 log = logging.getLogger("replicadp")
 # PROGRESS within a phase at most this often (the first step and each change of phase always): each is a write of
@@ -61,6 +63,7 @@ class Delivery:
     phase_started_at: float = 0.0
     step: int = 0  # the denoising step last reached, of total_steps
     total_steps: int = 0
+    first_step: int = 0  # the step it goes on from, where it was preempted before
     released: bool = False  # its fence, with the completion's record (store)
     inference_s: float = 0.0  # how long compute() took
     cost: object = None  # the pipeline's RunStats of this request
@@ -111,24 +114,79 @@ class Delivery:
         raise Parked(f"request {self.request_id} is being computed by {answer.owner}; parked until its fence is free")
 
     def compute(self) -> np.ndarray:
-        """Denoise and decode: the frames. From here the fence keeper keeps the fence and hears a cancel; a
-        broken group of ranks ends the process, not the request (it is requeued as a killed replica's is, and the
-        pool's next child rebuilds the group). On any failure the fence is let go here; else the finish does."""
+        """Denoise and decode: the frames, from the step a preemption stopped it at, where one did. From here the
+        fence keeper keeps the fence and hears a cancel or a preemption; a broken group of ranks ends the process,
+        not the request (it is requeued as a killed replica's is, and the pool's next child rebuilds the group). On
+        any failure, and on a preemption, the fence is let go here; else the finish does."""
         me = child.current()
         me.fences.watch(self.fence, self.token)
         try:
             self.tell(Event.STARTED)
             me.finisher.computes()  # the request before it, if waiting, is finished meanwhile
+            resume = self.checkpoint()
+            self.first_step = resume.step if resume is not None else 0
             inference_started = time.time()
             try:
-                frames = me.pipeline.generate(self.req, self.image, on_step=self.on_step)
+                frames = me.pipeline.generate(self.req, self.image, on_step=self.on_step, resume=resume)
             except GroupLost as exc:
                 exit_process(Exit.GROUP_LOST, f"request {self.request_id}: {exc}")
+            except RequestPreempted as exc:
+                raise self.preempted(exc) from None
             self.inference_s, self.cost = time.time() - inference_started, me.pipeline.last_run
             return frames
-        except BaseException:
-            self.let_go()
+        except BaseException as exc:
+            self.let_go(preempted=isinstance(exc, Preempted))
             raise
+
+    def checkpoint(self) -> Checkpoint | None:
+        """Where an earlier delivery of this request stopped when it was preempted (model/checkpoint.py), if it
+        saved its state for these very inputs; None: from the first step. A checkpoint that cannot be read is
+        logged and left: the request starts again, nothing is lost but time. In the same round trip: a preemption
+        asked before it started makes its steps ask Redis (FenceKeeper.hear), however soon it is to stop."""
+        me = child.current()
+        saved, asked = me.redis.pipeline(transaction=False).hgetall(CHECKPOINT_KEY + self.request_id).exists(
+            PREEMPT_KEY + self.context.id).execute()
+        if asked:
+            me.fences.hear(self.context.id)
+        if not saved or saved.get(b"input_key", b"").decode() != self.input_key:
+            return None
+        try:
+            resume = Checkpoint.from_bytes(saved[b"data"])
+        except Exception as exc:
+            log.error("request %s: its checkpoint cannot be read (%r); it starts from the first step",
+                      self.request_id, exc)
+            return None
+        log.info("request %s goes on from step %d of %d, where it was preempted", self.request_id, resume.step,
+                 resume.total)
+        return resume
+
+    def preempted(self, exc: RequestPreempted) -> Preempted:
+        """The request stopped at a step boundary for one of a higher priority: save its state there (none where
+        its path cannot go on exactly: it starts again), take back this start's count and the preemption asked
+        for, count the preemption, say so (Progress, webhook); the Preempted outcome that requeues it at the head
+        of its priority list. Its fence is let go by compute, after the state is saved."""
+        me, task_id, ck = child.current(), self.context.id, exc.checkpoint
+
+        def save() -> None:
+            pipe = me.redis.pipeline()
+            if ck is not None:
+                pipe.hset(CHECKPOINT_KEY + self.request_id, mapping={
+                    "input_key": self.input_key, "step": ck.step, "total": ck.total, "data": ck.to_bytes()})
+                pipe.expire(CHECKPOINT_KEY + self.request_id, SETTINGS.result_ttl_s)
+            pipe.delete(PREEMPT_KEY + task_id)
+            pipe.incr(PREEMPTIONS_KEY + task_id)
+            pipe.expire(PREEMPTIONS_KEY + task_id, SETTINGS.result_ttl_s)
+            pipe.decr(ATTEMPTS_KEY + task_id)  # not a failed attempt
+            pipe.execute()
+        replication.durable(me.redis, save, f"request {self.request_id}'s checkpoint", SETTINGS.durability)
+        me.fences.forget(task_id)
+        self.report(Phase.PREEMPTED)
+        me.reporter.flush()  # written before the request is queued again: the next start's records come after
+        self.tell(Event.PREEMPTED, step=self.step, total_steps=self.total_steps)
+        where = f"at step {self.step} of {self.total_steps}"
+        return Preempted(f"request {self.request_id} was preempted {where}; queued again, to go on "
+                         + (f"from step {ck.step}" if ck is not None else "from its first step (its path cannot "
+                                                                          "resume exactly)"))
 
     def hand_to_finisher(self, frames: np.ndarray) -> Finishing:
         """Have the finisher thread encode, store and answer the request once the one before it there is done
@@ -137,12 +195,18 @@ class Delivery:
         child.current().finisher.submit(lambda: self.finish(frames), self.context.id, self.request_id)
         return Finishing(f"request {self.request_id}: frames computed; the finisher encodes, stores and answers it")
 
-    def let_go(self) -> None:
-        """The request has ended here: stop keeping its fence, and release it unless the completion's record did."""
+    def let_go(self, preempted: bool = False) -> None:
+        """The request has ended here: stop keeping its fence, and release it unless the completion's record did;
+        unless it was `preempted` (to go on later), forget where an earlier preemption stopped it: it failed, or
+        was cancelled, and its checkpoint would wait in Redis for nothing."""
         me = child.current()
         me.fences.unwatch(self.token)
         if not self.released:
-            fence.release(me.redis, self.fence, self.token)
+            pipe = me.redis.pipeline(transaction=False)
+            fence.release(pipe, self.fence, self.token)
+            if not preempted:
+                pipe.delete(CHECKPOINT_KEY + self.request_id)
+            pipe.execute()
 
     def check_fence(self, cancelled: str) -> None:
         """Ask Redis whether the request was cancelled (RequestCancelled: it `cancelled`, e.g. "at step 3 of 8")
@@ -152,6 +216,24 @@ class Delivery:
         if answer.state == FenceState.CANCELLED:
             raise RequestCancelled(f"request {self.context.id} was cancelled {cancelled}")
         self.still_ours(answer)
+
+    def check_preempted(self, step: int, total: int) -> None:
+        """RequestPreempted if a preemption of this request was asked for (PREEMPT_KEY: from a step it has
+        reached) and it has been preempted fewer than REPLICADP_MAX_PREEMPTIONS times; past that, the ask is
+        dropped and it runs to its end. Never at its last step: its frames are as good as done."""
+        me, task_id = child.current(), self.context.id
+        if step == total:
+            return
+        asked, count = me.redis.pipeline(transaction=False).get(PREEMPT_KEY + task_id).get(
+            PREEMPTIONS_KEY + task_id).execute()
+        if asked is None or step < int(asked):
+            return
+        if int(count or 0) >= SETTINGS.max_preemptions:
+            me.redis.delete(PREEMPT_KEY + task_id)
+            log.info("request %s: preempted %s times already (REPLICADP_MAX_PREEMPTIONS); it runs to its end",
+                     self.request_id, int(count))
+            return
+        raise RequestPreempted(f"request {task_id} was preempted at step {step} of {total}")
 
     def still_ours(self, answer: FenceAnswer) -> None:
         """Exit the process unless this delivery still holds the fence. A Redis restart may have expired it (then
@@ -165,11 +247,12 @@ class Delivery:
                                           "stops")
 
     def on_step(self, step: int, total: int) -> None:
-        """At every denoising step: stop if cancelled or fenced out; report Progress now and then. The fence
-        keeper's last look answers, when it found all well within two ticks; else Redis does."""
+        """At every denoising step: stop if cancelled, fenced out or preempted; report Progress now and then. The
+        fence keeper's last look answers, when it found all well within two ticks; else Redis does."""
+        self.step, self.total_steps = step, total
         if not child.current().fences.clear(self.token):
             self.check_fence(f"at step {step} of {total}")
-        self.step, self.total_steps = step, total
+            self.check_preempted(step, total)
         last = step == total  # the pipeline decodes next
         if last or time.monotonic() - self.reported >= PROGRESS_EVERY_S:
             self.report(Phase.DECODING if last else Phase.DENOISING)
@@ -184,7 +267,8 @@ class Delivery:
         self.reported = time.monotonic()
         child.current().reporter.put(self.context.id, RequestState.PROGRESS, Progress(
             phase=phase, phase_started_at=self.phase_started_at, step=self.step, total_steps=self.total_steps,
-            replica=self.token.replica, request_id=self.request_id, pid=self.token.pid), self.context)
+            first_step=self.first_step, replica=self.token.replica, request_id=self.request_id, pid=self.token.pid),
+            self.context)
 
     def tell(self, event: Event, **fields) -> None:
         """Queue a webhook event of this request, if it asks for it: a Redis write, never a wait on the receiver

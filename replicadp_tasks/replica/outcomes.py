@@ -1,7 +1,7 @@
 """How a delivery leaves `generate` other than by returning its Result or raising a request's error (contract/errors.py), and why each way is the one Celery leaves.
 
 Celery's task API has two endings: return (SUCCESS, stored and acknowledged by Celery) or raise (FAILURE, stored
-and acknowledged). A replica needs three more:
+and acknowledged). A replica needs four more:
 
 - Finishing: the frames are computed, and the pool child's finisher thread will store, answer and acknowledge
   the request while the replica computes its next one (finisher.py). The task raises it: it is Celery's Ignore,
@@ -9,6 +9,9 @@ and acknowledged). A replica needs three more:
   (worker.ReplicaRequest.on_failure hands it to leases.Keeper.finishing). A return would store SUCCESS at once.
 - Parked: another live delivery computes this request_id. Ignore again; the main process parks the message on
   that request's fence (leases.Keeper.park), for the sweep to requeue once the fence is free.
+- Preempted: stopped at a step boundary for a request of a higher priority, its state saved (delivery.py). Ignore
+  again; the main process puts its message back at the head of its priority list at once (leases.Keeper.requeue),
+  as for a request whose pool child was lost, and the replica takes the next one.
 - exit_process: the pool child ends without acknowledging or failing its message, so that the main process
   requeues it (task_reject_on_worker_lost, leases.Keeper.lost): a fence lost to another delivery (an
   acknowledgement would acknowledge the delivery tag the other delivery shares), a broken group of ranks, an
@@ -46,6 +49,15 @@ class Finishing(ReplicaDPError, Ignore):
     Fails nothing: Celery stores no state for it; the replica's main process keeps its message unacknowledged in
     Redis, as its own, and takes the next one (leases.Keeper.finishing). The finisher writes the result (or the
     failure), then acknowledges the message; if the pool child dies first, the message goes back to the queue.
+    """
+
+
+class Preempted(ReplicaDPError, Ignore):
+    """Raised when a running request was stopped at a step boundary for one of a higher priority (RequestPreempted)
+    and its state saved.
+
+    Fails nothing: Celery stores no state for it; the replica's main process requeues its message at the head of
+    its priority list (leases.Keeper.requeue), and whichever replica takes it goes on from the saved step.
     """
 
 

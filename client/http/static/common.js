@@ -7,7 +7,8 @@ const MINE = "replicadp.requests";    // localStorage: the requests sent from th
 const KEEP_MINE = 30;
 const POLL_MS = 1000;
 const ENDED = new Set(["completed", "failed", "cancelled", "gone"]);
-const WORDS = {queued: "queued", loading_inputs: "loading inputs", denoising: "denoising", decoding: "decoding the video",
+const WORDS = {queued: "queued", preempted: "queued again, to go on", loading_inputs: "loading inputs",
+  denoising: "denoising", decoding: "decoding the video",
   encoding: "encoding the MP4", storing: "storing the video", cancelling: "cancelling", completed: "completed",
   failed: "failed", cancelled: "cancelled", gone: "no longer on the gateway"};
 
@@ -160,6 +161,10 @@ function statusText(entry, job) {
       return ["queued", j.queue_position != null ? ordinal(j.queue_position) : null,
         j.expected_start_s != null ? `starts in ${about(j.expected_start_s)}` : null,
         j.elapsed_s != null ? `waiting ${dur(j.elapsed_s)}` : null].filter(Boolean).join(" · ");
+    case "preempted":
+      return [`queued again · stopped at step ${j.step} of ${j.total_steps}${on} for a request that goes first`,
+        j.queue_position != null ? ordinal(j.queue_position) : null,
+        "goes on from there"].filter(Boolean).join(" · ");
     case "denoising":
       return `denoising${j.step != null && j.total_steps ? ` · step ${j.step} of ${j.total_steps}` : ""}${on}${all}`;
     case "cancelling":
