@@ -27,7 +27,7 @@ def generate(self, prompt=None, **kwargs) -> Result:
     # 2. Say that this replica took it (STARTED), count the attempt (each earlier one ended its replica's
     #    process); cancelled before it started, or poison? Its records are written before Celery's answer.
     with me.reporting(self.request):
-        me.start_attempt(self.request.id, kwargs)
+        saved = me.start_attempt(self.request.id, kwargs)  # and where a preemption stopped it, if one did
         # 3. Validate it for the loaded model, check its webhook, fetch its first frame.
         delivery = Delivery.of(self, kwargs, started)
         # 4. Take its fence, unless a delivery of this request_id has stored its result: then that is the answer;
@@ -37,6 +37,6 @@ def generate(self, prompt=None, **kwargs) -> Result:
             delivery.tell(Event.COMPLETED, result=earlier)
             return earlier
         # 5. Run the pipeline: the frames.
-        frames = delivery.compute()
+        frames = delivery.compute(saved)
         # 6. Encode, store and answer it in the finisher thread; meanwhile this replica takes its next request.
         raise delivery.hand_to_finisher(frames)

@@ -15,8 +15,8 @@ from redis import Redis
 from ..broker.transport import record_dead
 from ..cluster import fence
 from ..contract.errors import PoisonRequest, RequestCancelled
-from ..contract.keys import (ATTEMPTS_KEY, CANCEL_KEY, CHECKPOINT_KEY, COMPLETED_KEY, UNACKED_INDEX_KEY, UNACKED_KEY,
-                             FenceToken, completed_key)
+from ..contract.keys import (ATTEMPTS_KEY, CANCEL_KEY, CHECKPOINT_KEY, COMPLETED_KEY, PREEMPT_KEY, UNACKED_INDEX_KEY,
+                             UNACKED_KEY, FenceToken, completed_key)
 from ..contract.records import RequestState
 from ..model.pipeline import PipelineHolder
 from ..settings import SETTINGS
@@ -61,25 +61,34 @@ class PoolChild:
     def cancelled(self, task_id: str) -> bool:
         return bool(self.redis.exists(CANCEL_KEY + task_id))
 
-    def start_attempt(self, task_id: str, kwargs: dict) -> None:
-        """Count one more start of this task (redeliveries keep the task id), and look for its cancel, in one round
-        trip. RequestCancelled if it was cancelled before it started; PoisonRequest (recorded dead) if each of its
-        REPLICADP_MAX_ATTEMPTS earlier starts ended its replica's process."""
+    def start_attempt(self, task_id: str, kwargs: dict) -> dict:
+        """Count one more start of this task (redeliveries keep the task id), and look for its cancel, for where a
+        preemption stopped it and for a preemption asked before it started, in one round trip. RequestCancelled if
+        it was cancelled before it started; PoisonRequest (recorded dead) if each of its REPLICADP_MAX_ATTEMPTS
+        earlier starts ended its replica's process. Returns its checkpoint's hash as saved (empty: none;
+        Delivery.checkpoint reads it); a preemption asked makes its steps ask Redis (FenceKeeper.hear), however
+        soon it is to stop."""
+        request_id = kwargs.get("request_id")
+        checkpoint = CHECKPOINT_KEY + (request_id if isinstance(request_id, str) else task_id)
         pipe = self.redis.pipeline()
         pipe.incr(ATTEMPTS_KEY + task_id)
         pipe.expire(ATTEMPTS_KEY + task_id, SETTINGS.result_ttl_s)
         pipe.exists(CANCEL_KEY + task_id)
-        attempt, _, cancelled = pipe.execute()
+        pipe.hgetall(checkpoint)
+        pipe.exists(PREEMPT_KEY + task_id)
+        attempt, _, cancelled, saved, asked = pipe.execute()
         if cancelled:
-            request_id = kwargs.get("request_id")
-            # Where a preemption stopped it, if one did: nobody will go on from there.
-            self.redis.delete(CHECKPOINT_KEY + (request_id if isinstance(request_id, str) else task_id))
+            if saved:  # nobody will go on from where a preemption stopped it
+                self.redis.delete(checkpoint)
             raise RequestCancelled(f"request {task_id} was cancelled before it started")
+        if asked:
+            self.fences.hear(task_id)
         if attempt > SETTINGS.max_attempts:
             record_dead(self.redis, {"task_id": task_id, "reason": f"poison: ended its replica's process "
                                      f"{attempt - 1} times", "kwargs": kwargs, "attempts": attempt - 1})
             raise PoisonRequest(f"request {task_id} ended its replica's process {attempt - 1} times; not retried "
                                 f"again (REPLICADP_MAX_ATTEMPTS={SETTINGS.max_attempts})")
+        return saved
 
     def uncount_attempt(self, task_id: str) -> None:
         """Take back the count of this start: it ends cleanly, parked (Delivery.take_fence)."""

@@ -113,8 +113,9 @@ class Delivery:
         me.uncount_attempt(self.context.id)
         raise Parked(f"request {self.request_id} is being computed by {answer.owner}; parked until its fence is free")
 
-    def compute(self) -> np.ndarray:
-        """Denoise and decode: the frames, from the step a preemption stopped it at, where one did. From here the
+    def compute(self, saved: dict) -> np.ndarray:
+        """Denoise and decode: the frames, from the step a preemption stopped it at, where one did (`saved`: its
+        checkpoint's hash, as PoolChild.start_attempt read it). From here the
         fence keeper keeps the fence and hears a cancel or a preemption; a broken group of ranks ends the process,
         not the request (it is requeued as a killed replica's is, and the pool's next child rebuilds the group). On
         any failure, and on a preemption, the fence is let go here; else the finish does."""
@@ -123,7 +124,7 @@ class Delivery:
         try:
             self.tell(Event.STARTED)
             me.finisher.computes()  # the request before it, if waiting, is finished meanwhile
-            resume = self.checkpoint()
+            resume = self.checkpoint(saved)
             self.first_step = resume.step if resume is not None else 0
             inference_started = time.time()
             try:
@@ -138,16 +139,10 @@ class Delivery:
             self.let_go(preempted=isinstance(exc, Preempted))
             raise
 
-    def checkpoint(self) -> Checkpoint | None:
-        """Where an earlier delivery of this request stopped when it was preempted (model/checkpoint.py), if it
-        saved its state for these very inputs; None: from the first step. A checkpoint that cannot be read is
-        logged and left: the request starts again, nothing is lost but time. In the same round trip: a preemption
-        asked before it started makes its steps ask Redis (FenceKeeper.hear), however soon it is to stop."""
-        me = child.current()
-        saved, asked = me.redis.pipeline(transaction=False).hgetall(CHECKPOINT_KEY + self.request_id).exists(
-            PREEMPT_KEY + self.context.id).execute()
-        if asked:
-            me.fences.hear(self.context.id)
+    def checkpoint(self, saved: dict) -> Checkpoint | None:
+        """Where an earlier delivery of this request stopped when it was preempted (model/checkpoint.py), from its
+        `saved` hash, if it saved its state for these very inputs; None: from the first step. A checkpoint that
+        cannot be read is logged and left: the request starts again, nothing is lost but time."""
         if not saved or saved.get(b"input_key", b"").decode() != self.input_key:
             return None
         try:
