@@ -47,7 +47,7 @@ def test_a_recipe_is_checked_where_it_is_written(tmp_path):
     """A recipe (a TOML inline table) and a registry's few-step keys: each mistake names where and what; a good
     one reads back, a pair of files one per expert, fused."""
     assert FOUR_STEPS == Recipe(4, 1.0, None, Scheduler.FLOW_MATCH_EULER, 5.0, (1000, 750, 500, 250), True)
-    assert read_recipe({"timesteps": [900, 300]}.copy() | {"scheduler": "flow-match-euler"}, "x").num_inference_steps == 2
+    assert read_recipe({"timesteps": [900, 300], "scheduler": "flow-match-euler"}, "x").num_inference_steps == 2
     for text, error in (("{steps = 4}", "a recipe is a table of num_inference_steps"),
                         ("{num_inference_steps = 0}", "num_inference_steps=0 must be an integer from 1 to 200"),
                         ("{num_inference_steps = 4, guidance_scale = 30}", "guidance_scale=30 must be a number"),
@@ -73,7 +73,8 @@ def test_a_recipe_is_checked_where_it_is_written(tmp_path):
                         f"[adapters.b]\nsource = 'b'\nfuse = true\nrecipe = {TURBO_RECIPE}\n")
     with pytest.raises(ModelLoadError, match="adapters 'a', 'b' are fused with a recipe each"):
         read_registry(str(registry))
-    registry.write_text(f"[adapters.turbo]\nsource = {{ transformer = 'hi.st', transformer_2 = 'lo.st' }}\nfuse = true\n"
+    registry.write_text("[adapters.turbo]\nsource = { transformer = 'hi.st', transformer_2 = 'lo.st' }\n"
+                        "fuse = true\n"
                         f"recipe = {TURBO_RECIPE}\n")
     (reg,) = read_registry(str(registry))
     assert (reg.fuse, reg.recipe, reg.experts) == (True, FOUR_STEPS, None)
@@ -181,7 +182,8 @@ def test_the_recipe_is_what_the_transformer_sees(kits):
     _, _, h = kits
     seen = []
     hooks = [e.register_forward_pre_hook(lambda m, args, kw: seen.append(float(kw["timestep"].flatten()[0])),
-                                         with_kwargs=True) for name in ("fused", "switched") for e in experts(h[name].pipe)]
+                                         with_kwargs=True)
+             for name in ("fused", "switched") for e in experts(h[name].pipe)]
     try:
         expected = pytest.approx(shifted(FOUR_STEPS.timesteps, FOUR_STEPS.shift), rel=1e-5)
         run(h["fused"])
@@ -230,7 +232,8 @@ def test_an_adapter_or_recipe_that_cannot_serve_stops_the_replica_naming_it(tiny
     registries = save_tiny_turbo(tiny_model, tmp_path, seed=4)
     good = load_file(tmp_path / "turbo-transformer.safetensors")
     down = next(k for k in good if k.endswith("lora_down.weight"))
-    save_file({**good, down: torch.zeros(good[down].shape[0], good[down].shape[1] + 8)}, tmp_path / "shapes.safetensors")
+    save_file({**good, down: torch.zeros(good[down].shape[0], good[down].shape[1] + 8)},
+              tmp_path / "shapes.safetensors")
     save_file({**good, down: torch.full_like(good[down], float("nan"))}, tmp_path / "nan.safetensors")
     for source, error in (("none.safetensors", "cannot load it: .*No such file"),
                           ("shapes.safetensors", "cannot load it: .*size"),

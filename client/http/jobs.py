@@ -31,8 +31,9 @@ def job_view(record: dict, meta: dict | None, now: float | None = None) -> Video
     """A job as the API shows it: its request as created, its state from the result backend. A cancelled
     job is `failed` with error code `cancelled`: the four states are what OpenAI's and vllm-omni's clients
     know; `phase` says more (schema.JobPhase): a preempted one is `queued` again, at the step it goes on from. A
-    job deleted while it ran (its record's `cancelled_at`) is `cancelling` until its request ends, then cancelled, whatever the replica made of it (the gateway removes a
-    video stored meanwhile: Gateway.watch_cancelled, and routes.shown at each read)."""
+    job deleted while it ran (its record's `cancelled_at`) is `cancelling` until its request ends, then
+    cancelled, whatever the replica made of it (the gateway removes a video stored meanwhile:
+    Gateway.watch_cancelled, and routes.shown at each read)."""
     now = time.time() if now is None else now
     job = VideoJob(status="queued", progress=0, **{k: v for k, v in record.items()
                                                    if k not in ("cancelled_at", "admitted_at")})

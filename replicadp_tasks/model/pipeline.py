@@ -414,8 +414,8 @@ class PipelineHolder:
         """What this request alone changes on the shared pipeline: its LoRA adapters, the fast path's step cache
         hooks (on each expert, with state of its own: the i2v view shares them), a two-expert request's own
         boundary (diffusers reads boundary_ratio from the pipeline's config), and the scheduler of its adapter's
-        recipe (a fresh one, resumed at its checkpoint's step, for a resumed request). All are undone at its end, also when
-        it fails half-way: no such state outlives its request (adapters.py, step_cache.py)."""
+        recipe (a fresh one, resumed at its checkpoint's step, for a resumed request). All are undone at its end,
+        also when it fails half-way: no such state outlives its request (adapters.py, step_cache.py)."""
         boundary, scheduler = self.boundary_ratio, pipe.scheduler
         if req.quality == Quality.FAST:
             for expert in experts(self.pipe):
