@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 .PHONY: install install-test demo test quick clean
 
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test $(VENV)/.installed-compose $(VENV)/.installed-browser
+install-test: $(VENV)/.installed-test $(VENV)/.installed-compose $(VENV)/.installed-browser $(VENV)/.installed-kube
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ $(VENV)/.installed-compose:
 $(VENV)/.installed-browser: $(VENV)/.installed-test
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update && apt-get install -y --no-install-recommends chromium chromium-driver)
+	touch $@
+
+# kubectl, whose built-in kustomize renders deploy/kubernetes for tests/test_kubernetes.py: Debian's
+# kubernetes-client (kubectl 1.20, kustomize 2.0.3, which the manifests are written for) where none is installed.
+$(VENV)/.installed-kube: $(VENV)/.installed-test
+	command -v kubectl >/dev/null || \
+		(apt-get update && apt-get install -y --no-install-recommends kubernetes-client)
 	touch $@
 
 demo: install

@@ -322,6 +322,12 @@ class Settings:
     max_preemptions: int = setting(
         "REPLICADP_MAX_PREEMPTIONS", 2, "A request stopped this many times for ones of a higher priority runs to its "
         "end: each preemption costs it a wait in the queue, and a batch request must finish some day.", integer)
+    preempt_on_shutdown: bool = setting(
+        "REPLICADP_PREEMPT_ON_SHUTDOWN", False, "At a warm shutdown (SIGTERM: a deploy, a scale-down, a reclaimed "
+        "spot GPU), the running request stops at its next step, its state saved, and is queued again to go on "
+        "elsewhere, so the replica leaves in seconds instead of after its request. Off: the state waits in Redis "
+        "(see REPLICADP_PREEMPT_AFTER_S), and a fast-path request (a step cache) starts again from its first step.",
+        boolean)
     lease_s: int = setting(
         "REPLICADP_LEASE", 6, "A replica whose heartbeat is this many seconds old is dead: its requests go back to "
         "the queue. Renewed every second by the replica's main process (not the busy child), so 5 ticks may be "

@@ -34,6 +34,7 @@ from kombu.transport import virtual
 from . import logs, webhooks
 from .app import app
 from .broker import transport
+from .cluster import connection, preempt
 from .cluster.connection import outage_tolerant
 from .cluster.heartbeat import Heartbeat, Running
 from .contract.keys import REPLICA_KEY, REQUEST_ID_RE, STANDBY_PREFIX
@@ -99,15 +100,33 @@ def _sweep_the_store(**_):
 
 
 @signals.worker_shutting_down.connect
-def _stopping(**_):
+def _stopping(how, **_):
     """In the main process, at SIGTERM/SIGINT: tell a child still loading not to wait for an answer that a
-    stopping main process no longer gives (it would hang the warm shutdown until SIGKILL). At the SIGQUIT of a
-    pool child that could not load its model: exit with Exit.CONFIG (Celery's cold shutdown exits 0), so that the
-    supervisor tells a configuration to fix from a crash to restart (worker_launch.sh stops restarting it)."""
+    stopping main process no longer gives (it would hang the warm shutdown until SIGKILL); with
+    REPLICADP_PREEMPT_ON_SHUTDOWN, have the request it runs stop at its next step and go back to the queue. At the
+    SIGQUIT of a pool child that could not load its model: exit with Exit.CONFIG (Celery's cold shutdown exits 0),
+    so that the supervisor tells a configuration to fix from a crash to restart (worker_launch.sh stops restarting
+    it)."""
     if MAIN.stopping is not None:
         MAIN.stopping.value = 1
     if MAIN.load_failed is not None and MAIN.load_failed.value:
         MAIN.worker.exitcode = Exit.CONFIG
+    running = _running()
+    if how == "Warm" and SETTINGS.preempt_on_shutdown and running is not None:
+        # From a thread: this is a signal handler, and the ask is a Redis round trip.
+        threading.Thread(target=_preempt_for_shutdown, args=(running["task_id"],), daemon=True).start()
+
+
+def _preempt_for_shutdown(task_id: str) -> None:
+    """Ask that the running request `task_id` be preempted (cluster/preempt.py); if Redis cannot be reached, the
+    warm shutdown waits for the request as it would without."""
+    try:
+        preempt.ask(connection.client(SETTINGS.redis_url, socket_timeout=2, socket_connect_timeout=2), task_id)
+    except redis.RedisError as exc:
+        log.warning("stopping: cannot preempt request %s (%s); it runs to its end first", task_id, exc)
+        return
+    log.info("stopping: request %s stops at its next step and goes back to the queue, to go on from there",
+             task_id)
 
 
 def _consuming() -> bool:

@@ -19,9 +19,11 @@ import redis
 
 from client.local.ha import HAStack
 from conftest import start_replicas
-from helpers import SYNTHETIC, lasting, wait_for
+from client.api import _app_for
+from helpers import SYNTHETIC, lasting, wait_for, wait_for_step
 from replicadp_tasks.cluster import connection
-from replicadp_tasks.contract.keys import ATTEMPTS_KEY, STATS_KEY
+from replicadp_tasks.cluster import preempt
+from replicadp_tasks.contract.keys import ATTEMPTS_KEY, CHECKPOINT_KEY, PREEMPTIONS_KEY, STATS_KEY
 from replicadp_tasks.contract import queue_for, queue_lists
 from replicadp_tasks.settings import SETTINGS
 from replicadp_tasks.cluster import outage_tolerant
@@ -235,6 +237,38 @@ def test_a_sentinel_killed_mid_batch_changes_nothing(ha, tmp_path):
                           lambda ha: os.kill(ha.server_pid(ha.sentinels[0]), signal.SIGKILL))
     assert ha.primary() is primary
     assert_nothing_lost(run)
+
+
+@pytest.mark.cluster
+def test_a_preempted_request_goes_on_from_its_checkpoint_on_the_promoted_primary(ha, tmp_path):
+    """One synthetic replica runs a batch request; an interactive one waits, and the batch one is preempted at a
+    step. Once its checkpoint is in Redis (written, as a fence is, only once a Redis replica holds it:
+    REPLICADP_REDIS_REPLICAS is 1 with Sentinel), the primary is SIGKILLed: through the promoted one the
+    interactive request completes, then the batch request goes on from its saved step and completes once,
+    preempted once, its checkpoint gone with its completion."""
+    old = ha.primary()
+    group = start_replicas(1, ha.url, "failover-preempt", model=SYNTHETIC, OUTPUT_DIR=str(tmp_path / "out"))
+    on = SimpleNamespace(app=_app_for(ha.url))
+    try:
+        batch = on.app.send_task("replicadp.generate", kwargs=lasting(6, prompt="through a failover", seed=1,
+                                                                      priority="batch"))
+        info = wait_for_step(on, batch.id, 2)
+        interactive = on.app.send_task("replicadp.generate", kwargs=lasting(1, prompt="first", seed=2,
+                                                                            priority="interactive"))
+        client = connection.client(ha.url, socket_timeout=5)
+        preempt.ask(client, batch.id)
+        saved = int(wait_for(lambda: client.hget(CHECKPOINT_KEY + info["request_id"], "step"), "a checkpoint"))
+        os.kill(ha.server_pid(old), signal.SIGKILL)
+        first, done = interactive.get(timeout=120), batch.get(timeout=120)
+        client = connection.client(ha.url, socket_timeout=5)
+        counts = (client.get(PREEMPTIONS_KEY + batch.id), client.hget(STATS_KEY, "duplicate_executions"),
+                  client.exists(CHECKPOINT_KEY + info["request_id"]))
+    finally:
+        group.stop()
+    assert ha.primary() is not old
+    assert first["params"]["seed"] == 2 and done["params"]["seed"] == 1
+    assert counts == (b"1", None, 0), counts
+    assert f"request {info['request_id']} goes on from step {saved} of " in group.log_path.read_text()
 
 
 def written_through_a_stop(ha: HAStack, script: str) -> list[str]:

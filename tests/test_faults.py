@@ -18,13 +18,14 @@ import redis
 
 from client.api import _app_for, live_replicas
 from client.local.replicas import LAUNCHER, Replicas, stop_group
-from conftest import run_client_on, start_replicas
+from conftest import SESSION_DIR, run_client_on, start_replicas
 from helpers import (SYNTHETIC, lasting, parent_of, progress, tiny_request_lasting, wait_for, wait_for_reload,
                      wait_for_step)
 from replicadp_tasks.model.architectures import ARCHITECTURES, build_scheduler, expert_steps
 from replicadp_tasks.contract import PoisonRequest
-from replicadp_tasks.contract.keys import (ATTEMPTS_KEY, DEAD_KEY, FENCE_KEY, FenceToken, HOLDERS_KEY, PARKED,
-                                           REPLICA_KEY, STATS_KEY)
+from replicadp_tasks.cluster import preempt
+from replicadp_tasks.contract.keys import (ATTEMPTS_KEY, CHECKPOINT_KEY, DEAD_KEY, FENCE_KEY, FenceToken, HOLDERS_KEY,
+                                           PARKED, PREEMPTIONS_KEY, REPLICA_KEY, STATS_KEY)
 from replicadp_tasks.contract import RequestState
 
 # What a replica serves after a fault: a small request (two steps, 0.5 s, on the synthetic backend).
@@ -146,6 +147,35 @@ def test_killed_replica_request_completes_on_another(synthetic):
     assert recovered < run_s + 12
     assert int(synthetic.redis.get(ATTEMPTS_KEY + result.id)) == 2
     serve_again(synthetic)  # the launcher restarted the killed one
+
+
+def test_a_replica_killed_between_a_preemption_and_its_requeue_loses_nothing(synthetic):
+    """A request preempted at a step whose replica's main process is frozen (SIGSTOP, its supervisor too) before
+    the stop, so that the request's state is saved but its message is never requeued, then SIGKILLed (its pool
+    child dies with it): another replica's sweep requeues the message, that replica goes on from the saved step,
+    not from the first, and the request completes once: preempted once, its checkpoint removed at its end, its
+    killed start not counted as a failed attempt (the save took it back)."""
+    result = send(synthetic, lasting(6, prompt="preempted, then its replica killed", seed=22, priority="batch"))
+    info = wait_for_step(synthetic, result.id, 2)
+    main = parent_of(info["pid"])
+    supervisor = parent_of(main)
+    os.kill(supervisor, signal.SIGSTOP)
+    os.kill(main, signal.SIGSTOP)
+    try:
+        preempt.ask(synthetic.redis, result.id)
+        saved = wait_for(lambda: synthetic.redis.hget(CHECKPOINT_KEY + info["request_id"], "step"),
+                         "the preempted request's checkpoint")
+        os.kill(main, signal.SIGKILL)
+        meta = result.get(timeout=60)
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    log = (SESSION_DIR / "logs" / "faults.log").read_text()
+    assert meta["replica"] != info["replica"] and meta["params"]["seed"] == 22
+    assert f"request {info['request_id']} goes on from step {int(saved)} of " in log
+    assert int(synthetic.redis.get(PREEMPTIONS_KEY + result.id)) == 1
+    assert int(synthetic.redis.get(ATTEMPTS_KEY + result.id)) == 1
+    assert not synthetic.redis.exists(CHECKPOINT_KEY + info["request_id"])
+    serve_again(synthetic)
 
 
 def test_sigterm_mid_request_finishes_it_first(synthetic):

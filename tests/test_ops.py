@@ -355,21 +355,27 @@ def test_metrics_time_each_request_once_whatever_the_event_order(order):
 
 
 def test_metrics_show_a_replica_busy_while_it_runs(lone_replica):
-    """replicadp_replica_busy is 1 for a replica while it runs a request (of 8 s), 0 before and after."""
+    """replicadp_replica_busy is 1 for a replica while it runs a request (of 8 s), 0 before and after, and its
+    model's replicadp_requests_running (from the heartbeats) 1, then 0."""
     proc, port = start_exporter(lone_replica.url)
+    model = (("model", SYNTHETIC),)
+
+    def state(m: dict) -> tuple:
+        return busy(m), m.get(("replicadp_requests_running", model))
+
     try:
-        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 0.0}, "the replica to be idle")
+        wait_for(lambda: state(scrape(port)) == ({lone_replica.name: 0.0}, 0), "the replica to be idle")
         result = lone_replica.app.send_task("replicadp.generate", kwargs=LONG)
-        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 1.0}, "the replica to be busy")
+        wait_for(lambda: state(scrape(port)) == ({lone_replica.name: 1.0}, 1), "the replica to be busy")
         result.get(timeout=120)
-        wait_for(lambda: busy(scrape(port)) == {lone_replica.name: 0.0}, "the replica to be idle again")
+        wait_for(lambda: state(scrape(port)) == ({lone_replica.name: 0.0}, 0), "the replica to be idle again")
     finally:
         stop(proc)
 
 
 def test_metrics_show_the_queue_depth_and_how_long_it_waited(redis_db):
-    """With no replica on its DB, two sent requests wait: depth 2, one at each priority they were sent with, and
-    the age of the next (the interactive one) is the time since it was sent."""
+    """With no replica on its DB, two sent requests wait: depth 2, one at each priority they were sent with, none
+    running, and the age of the next (the interactive one) is the time since it was sent."""
     url = redis_db()
     declare(url, "tiny")
     proc, port = start_exporter(url)
@@ -381,6 +387,7 @@ def test_metrics_show_the_queue_depth_and_how_long_it_waited(redis_db):
         m = scrape(port)
         tiny = (("model", "tiny"),)
         assert m[("replicadp_queue_depth", tiny)] == 2
+        assert m[("replicadp_requests_running", tiny)] == 0  # declared, no replica yet: 0, not absent
         assert {dict(labels)["priority"]: v for (n, labels), v in m.items()
                 if n == "replicadp_queue_depth_by_priority"} == {"interactive": 1, "normal": 0, "batch": 1}
         # Waited at least the pause since the last was sent, at most the time since the first (one clock here).

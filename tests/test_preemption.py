@@ -8,6 +8,7 @@ it, give their uninterrupted baseline's frames and MP4 bit for bit."""
 
 import os
 import random
+import signal
 import subprocess
 import uuid
 from types import SimpleNamespace
@@ -18,13 +19,14 @@ import redis
 from PIL import Image
 
 from conftest import SESSION_DIR, start_replicas
-from helpers import SYNTHETIC, holder, lasting, wait_for, wait_for_step
+from helpers import SYNTHETIC, holder, lasting, parent_of, wait_for, wait_for_step
 from test_http import REPLICADP, form_of, gateway, job_once, post
 from test_layouts import LAYOUT_REQUESTS, layout_frames
 
 from client.api import _app_for
 from replicadp_tasks.contract import RequestPreempted, validate_request
-from replicadp_tasks.contract.keys import CANCEL_CHANNEL, CHECKPOINT_KEY, PREEMPT_KEY, PREEMPTIONS_KEY
+from replicadp_tasks.contract.keys import (ATTEMPTS_KEY, CANCEL_CHANNEL, CHECKPOINT_KEY, PREEMPT_KEY,
+                                           PREEMPTIONS_KEY)
 from replicadp_tasks.model import CacheMethod, StepCache, save_tiny_turbo
 from replicadp_tasks.model.architectures import expert_steps
 from replicadp_tasks.contract.scheduling import Priority
@@ -166,6 +168,34 @@ def test_replicadp_preempt_lets_an_interactive_request_run_first_and_the_batch_o
 
 
 @pytest.mark.cluster
+def test_with_preempt_on_shutdown_a_sigterm_leaves_at_the_next_step_and_the_request_goes_on(redis_db):
+    """One synthetic replica with REPLICADP_PREEMPT_ON_SHUTDOWN=1, SIGTERMed while it runs a request of 80 steps
+    (a scale-down): its main process exits while the request is still to complete (it stopped at its next step,
+    saved, and was queued again; with the setting off the replica finishes the request first:
+    test_faults.py::test_sigterm_mid_request_finishes_it_first); the launcher starts the replica again, which goes
+    on from the saved step and completes the request once, preempted once, never counted as a failed attempt."""
+    url = redis_db()
+    group = start_replicas(1, url, "shutdown", model=SYNTHETIC, REPLICADP_PREEMPT_ON_SHUTDOWN="1")
+    on = SimpleNamespace(app=_app_for(url))
+    client = redis.Redis.from_url(url)
+    try:
+        result = on.app.send_task("replicadp.generate", kwargs=lasting(20, prompt="a scale-down", seed=3))
+        info = wait_for_step(on, result.id, 2)
+        main = parent_of(info["pid"])
+        os.kill(main, signal.SIGTERM)
+        wait_for(lambda: not os.path.exists(f"/proc/{main}"), f"replica process {main} to exit", timeout=60)
+        left_before_its_end = not result.ready()
+        done = result.get(timeout=120)
+    finally:
+        group.stop()
+    assert left_before_its_end and done["params"]["seed"] == 3
+    assert int(client.get(PREEMPTIONS_KEY + result.id)) == 1 and int(client.get(ATTEMPTS_KEY + result.id)) == 1
+    log = (SESSION_DIR / "logs" / "shutdown.log").read_text()
+    assert f"stopping: request {result.id} stops at its next step" in log
+    assert f"request {info['request_id']} goes on from step " in log
+
+
+@pytest.mark.cluster
 def test_the_isolation_protocol_holds_with_every_request_preempted_at_a_random_step(redis_db, tiny_model):
     """The protocol's 16 inputs (test_isolation's shapes): one replica records each uninterrupted, serially; then
     two replicas run them at once, each asked before it is sent to be preempted at a random step (seeded) and
@@ -210,27 +240,40 @@ def busy(replica: str, priority: str, left: float | None, preemptions: int = 0, 
     return Busy(replica, f"task-{replica}", Priority(priority), left, preemptions, asked)
 
 
+def waits(*priorities: str) -> list[tuple[Priority, str]]:
+    return [(Priority(p), f"waiting-{i}") for i, p in enumerate(priorities)]
+
+
 def test_the_policy_preempts_the_lower_priority_request_with_the_most_time_left_and_only_then():
-    """`choose`, for a waiting request with REPLICADP_PREEMPT_AFTER_S=30 and at most 2 preemptions: the request of
-    a lower priority with the most time left; none while a replica is idle, a preemption is asked already, or a
-    busy replica frees within 30 s; never a request of the same or a higher priority, one preempted twice, or one
-    not denoising; of two, the one preempted fewer times first; nothing when nothing waits. `left_s` reads a
-    Progress: the time per step since its denoising phase began (as its first step ended), times the steps
-    left."""
+    """`choose`, with REPLICADP_PREEMPT_AFTER_S=30 and at most 2 preemptions, for the requests waiting with no
+    preemption made for them: the request of a lower priority with the most time left, for the first of them; the
+    first ones are left to idle replicas, to replicas that free within 30 s and to those asked to stop by hand, and
+    each later one gets a preemption of its own; never a request asked to stop already, of the same or a higher
+    priority, preempted twice, or not denoising; of two, the one preempted fewer times first; nothing when nothing
+    waits. `left_s` reads a Progress: the time per step since its denoising phase began (as its first step
+    ended), times the steps left."""
     long, longer = busy("a", "batch", 100), busy("b", "batch", 200)
-    assert choose(Priority.INTERACTIVE, [long, longer], idle=0, after_s=30, max_preemptions=2) == longer
-    assert choose(Priority.NORMAL, [long, busy("b", "normal", 500)], 0, 30, 2) == long
-    assert choose(Priority.INTERACTIVE, [long, longer], 1, 30, 2) is None  # a replica is idle
-    for busy_now in ([long, busy("b", "batch", 20)],  # b frees within 30 s
-                     [long, busy("b", "batch", 200, asked=True)],  # a preemption is asked already
-                     [busy("a", "interactive", 500), busy("b", "batch", 500, preemptions=2)],  # none may be
-                     [busy("a", "batch", None), busy("b", "batch", None)]):  # not denoising
-        assert choose(Priority.INTERACTIVE, busy_now, 0, 30, 2) is None, busy_now
-    assert choose(None, [long], 0, 30, 2) is None
-    assert choose(Priority.BATCH, [long], 0, 30, 2) is None  # the same priority
-    assert choose(Priority.NORMAL, [busy("a", "interactive", 500)], 0, 30, 2) is None  # a higher one
+    assert choose(waits("interactive"), [long, longer], idle=0, after_s=30, max_preemptions=2) == (longer,
+                                                                                                   "waiting-0")
+    assert choose(waits("normal"), [long, busy("b", "normal", 500)], 0, 30, 2) == (long, "waiting-0")
+    assert choose(waits("interactive"), [long, longer], 1, 30, 2) is None  # an idle replica takes it
+    assert choose(waits("interactive", "interactive"), [long, longer], 1, 30, 2) == (longer, "waiting-1")
+    # Two waiting: the second gets the other replica, once the first has its preemption (it is no longer listed).
+    assert choose(waits("interactive", "interactive"), [long, busy("b", "batch", 200, asked=True)], 0, 30, 2) == (
+        long, "waiting-0")
+    by_hand = frozenset({"task-b"})
+    for busy_now, freeing in (([long, busy("b", "batch", 20)], frozenset()),  # b frees within 30 s
+                              ([long, busy("b", "batch", 200, asked=True)], by_hand),  # b's stop frees it for this one
+                              ([busy("a", "interactive", 500), busy("b", "batch", 500, preemptions=2)], frozenset()),
+                              ([busy("a", "batch", None), busy("b", "batch", None)], frozenset())):  # not denoising
+        assert choose(waits("interactive"), busy_now, 0, 30, 2, freeing=freeing) is None, busy_now
+    assert choose(waits("interactive", "interactive"), [long, busy("b", "batch", 20)], 0, 30, 2) == (long,
+                                                                                                     "waiting-1")
+    assert choose([], [long], 0, 30, 2) is None
+    assert choose(waits("batch"), [long], 0, 30, 2) is None  # the same priority
+    assert choose(waits("normal"), [busy("a", "interactive", 500)], 0, 30, 2) is None  # a higher one
     resumed_once = busy("c", "batch", 300, preemptions=1)
-    assert choose(Priority.INTERACTIVE, [longer, resumed_once], 0, 30, 2) == longer  # the fewest preemptions first
+    assert choose(waits("interactive"), [longer, resumed_once], 0, 30, 2) == (longer, "waiting-0")  # fewest first
     # Its denoising phase began as step 11 (its first since it went on from 10) ended: steps 12 and 13 took 4 s.
     progress = {"phase": "denoising", "step": 13, "total_steps": 50, "first_step": 10, "phase_started_at": 100.0}
     assert left_s(progress, now=104.0) == 2.0 * 37

@@ -18,7 +18,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from replicadp_tasks import app as celery_app, generate
-from replicadp_tasks.cluster import connection, fleet, lua
+from replicadp_tasks.broker import QUEUE_ORDER
+from replicadp_tasks.cluster import connection, fleet
 from replicadp_tasks.contract import (READY, Accepts, GenerateRequest, InvalidRequest, Priority, RequestState,
                                       check_priority, choose_model, keys, queue_for, queue_lists, validate_request)
 from replicadp_tasks.outputs import poster_jpeg
@@ -48,7 +49,6 @@ REDIS_HEALTH_CHECK_S = 5
 # a job has no position. A job queued since the last read has none until the next.
 QUEUE_SCAN = 2000
 QUEUE_ORDER_CACHE_S = 1.0
-_QUEUE_ORDER = lua(__package__, "queue_order")
 CANCEL_WATCH_POLL_S = 0.5  # how often a request deleted as it ran is checked until it ends (watch_cancelled)
 CANCEL_THREADS = 4  # cancels run in this many threads, not one thread (and connection) per cancelled request
 LIVE_CACHE_S = 1.0  # every request asks for the live replicas and the models (Redis reads): at most one a second
@@ -192,7 +192,7 @@ class Gateway:
         order = {}
         for model in await self.models():
             lists = queue_lists(queue_for(SETTINGS.queue, model))
-            read = await self.redis.eval(_QUEUE_ORDER, len(lists), *lists, QUEUE_SCAN)
+            read = await self.redis.eval(QUEUE_ORDER, len(lists), *lists, QUEUE_SCAN)
             ahead = 0
             for length, ids in zip(read[::2], read[1::2]):
                 order.update({task_id.decode(): ahead + i + 1 for i, task_id in enumerate(ids) if task_id})

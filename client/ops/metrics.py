@@ -1,7 +1,8 @@
 """`replicadp metrics`: a Prometheus endpoint with what Flower's /metrics lacks.
 
 Read from Redis on each scrape, for each model the deployment serves (label `model`): its queue's depth, at each
-priority, and how long its next request has waited: what an autoscaler scales each model's replicas on. Kept from
+priority, how long its next request has waited, and how many requests its replicas run (their heartbeats): what an
+autoscaler scales each model's replicas on (waiting + running: deploy/kubernetes/). Kept from
 Celery's event stream (task events are on, celeryconfig.py): each replica's busy/idle state (its heartbeat
 carries how many requests it runs), requests completed and failed per replica, and histograms of latency
 (sent to succeeded) and queue wait (sent to started). Counters and histograms start at zero with the exporter
@@ -20,11 +21,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from replicadp_tasks import app
-from replicadp_tasks.cluster import connection
+from replicadp_tasks.cluster import connection, heartbeat
 from replicadp_tasks.contract import keys
 from replicadp_tasks.settings import SETTINGS
 
-from ..api import redis_url
+from ..api import redis_url, replica_info
 from .status import models, queue_head, waited_s
 
 log = logging.getLogger("replicadp.metrics")
@@ -73,7 +74,9 @@ class Exporter:
         """Called on each scrape."""
         up = GaugeMetricFamily("replicadp_redis_up", "1 if Redis answered this scrape")
         try:
-            heads = {model: queue_head(self.redis, model) for model in models(self.redis)}
+            served = models(self.redis)
+            heads = {model: queue_head(self.redis, model) for model in served}
+            running = running_by_model(self.redis, served)
             stats, dead = self.redis.hgetall(keys.STATS_KEY), self.redis.llen(keys.DEAD_KEY)
         except redis.exceptions.RedisError as exc:
             log.warning("scrape: Redis: %s", exc)
@@ -83,6 +86,7 @@ class Exporter:
             up.add_metric([], 1)
             yield up
             yield from self.queues(heads, time.time())
+            yield self.running(running)
             # Kept in Redis by the replicas, so these count since the data began, not since this exporter did.
             yield CounterMetricFamily("replicadp_messages_refused", "Messages on the queue that replicas refused "
                                       "(not a request they serve; see replicadp:dead)",
@@ -126,6 +130,14 @@ class Exporter:
                 family.add_metric([model], float("nan") if waited is None else waited)
         yield from (depth, by_priority, next_age, oldest)
 
+    @staticmethod
+    def running(counts: dict[str, int]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily("replicadp_requests_running", "Requests a model's live replicas run now (their "
+                                   "heartbeats)", labels=["model"])
+        for model, n in counts.items():
+            family.add_metric([model], n)
+        return family
+
     def receive_forever(self) -> None:
         """Consume the event stream; reconnect when Redis goes away."""
         while True:
@@ -137,6 +149,19 @@ class Exporter:
             except (OSError, OperationalError, redis.exceptions.RedisError) as exc:
                 log.warning("event stream lost (%s); reconnecting in %.0f s", exc, RECONNECT_S)
                 time.sleep(RECONNECT_S)
+
+
+def running_by_model(client, served: list[str]) -> dict[str, int]:
+    """How many requests each model in `served` has running: one per live replica of it whose heartbeat names a
+    request (cluster/heartbeat.py; a replica's model from its info)."""
+    running = heartbeat.read(client, SETTINGS.replica_stale_s).running
+    infos = replica_info(client, list(running))
+    counts = dict.fromkeys(served, 0)
+    for name in running:
+        model = infos[name].get("model")
+        if model in counts:
+            counts[model] += 1
+    return counts
 
 
 def serve(host: str, port: int) -> None:

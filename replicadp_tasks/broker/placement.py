@@ -39,6 +39,7 @@ USER_ORDER_SLOT = f'"{USER_ORDER_PLACEHOLDER}"'
 PRUNE_ABOVE = 1000  # fields in one list's state: past this, tenants and users that would gain nothing are dropped
 PLACE = lua(__package__, "place")
 PLACE_SHA = hashlib.sha1(PLACE.encode()).hexdigest()
+QUEUE_ORDER = lua(__package__, "queue_order")
 
 
 def tenant_key(tenant: str | None) -> str:
@@ -74,3 +75,11 @@ def next_request(client, queue: str) -> tuple[dict[Priority, int], bytes | None]
     replies = pipe.execute()
     heads = [raw for raw in replies[1::2] if raw is not None]
     return dict(zip(Priority, replies[::2])), heads[0] if heads else None
+
+
+def waiting(client, queue: str, first: int) -> list[tuple[Priority, str]]:
+    """The task ids and priorities of the requests in `queue` that its replicas take next, in that order: the
+    first `first` of each priority's list (an id is empty for a message that is not a request)."""
+    lists = queue_lists(queue)
+    read = client.eval(QUEUE_ORDER, len(lists), *lists, first)
+    return [(level, task_id.decode()) for level, ids in zip(Priority, read[1::2]) for task_id in ids]

@@ -3,7 +3,9 @@ replicas are all busy with lower-priority work that will not end soon, the repli
 left stops it at its next step (replica/delivery.py saves its state; it goes back to the head of its priority
 list and goes on from that step later). Each replica's main process looks every LOOK_S (`Preemptor`), and only
 the replica whose request is chosen asks (cluster/preempt.py): every replica of a model reads the same figures
-and chooses the same one; a claim per model keeps two looks a moment apart from preempting twice for one wait.
+and chooses the same one. One preemption per waiting request: the replica that preempts claims the waiting
+request it frees a replica for, so that two requests waiting at once get two replicas at once, and a look made
+while a stopped request is requeued (and its replica about to take the waiting one) preempts nothing more.
 """
 
 from __future__ import annotations
@@ -15,20 +17,22 @@ from dataclasses import dataclass
 
 import redis
 
+from ..broker import waiting
 from ..cluster import connection, heartbeat, preempt
 from ..contract.keys import PREEMPT_KEY, PREEMPTIONS_KEY, REPLICA_KEY
 from ..contract.records import Phase
-from ..contract.scheduling import Priority, queue_lists
+from ..contract.scheduling import Priority
 
 log = logging.getLogger("replicadp")
 
-CLAIM_KEY = "replicadp:preempting:"  # + model: set for a moment by the replica that preempts for it
+# + a waiting request's task id: the task id of the request preempted to free a replica for it.
+CLAIM_KEY = "replicadp:preempted-for:"
+# A claim lasts as long as the ask it goes with (an ask of a request that does not stop lapses then): past it, a
+# request still waiting may be given another preemption.
+CLAIM_S = preempt.ASK_S
 # How often a replica looks: what a waiting request may wait for a look, on top of a step (the bench's interactive
-# waits: docs/benchmarks.md, section 18); a look is three reads.
+# waits: docs/benchmarks.md, section 18); a look is four reads.
 LOOK_S = 0.5
-# Two replicas' looks in the same instant: the freed replica takes the waiting request, and its heartbeat says so
-# (within 0.1 s), before the look after next.
-CLAIM_S = 2 * LOOK_S
 TASK_META = "celery-task-meta-"  # + task id: Celery's result record, a running request's Progress
 
 
@@ -49,20 +53,24 @@ def rank(priority: Priority) -> int:
     return list(Priority).index(priority)
 
 
-def choose(waiting: Priority | None, busy: list[Busy], idle: int, after_s: float, max_preemptions: int) -> Busy | None:
-    """The request to preempt for the highest-priority request `waiting` (None: nothing waits), or None: none when
-    a replica of the model is `idle` or a preemption is asked already (the waiting request is about to be taken),
-    or a busy replica is expected free within `after_s` (past its steps, or with no more than that left); else,
-    of the requests of a lower priority preempted fewer than `max_preemptions` times with more than `after_s`
-    left, the one preempted the fewest times, then with the most time left: a request just resumed would
-    otherwise be stopped again at once, spending its preemptions while the others spend none."""
-    if waiting is None or idle or any(b.asked for b in busy):
+def choose(waiting: list[tuple[Priority, str]], busy: list[Busy], idle: int, after_s: float, max_preemptions: int,
+           freeing: frozenset[str] = frozenset()) -> tuple[Busy, str] | None:
+    """The request to preempt, and the task id of the waiting request it is preempted for, or None. `waiting`:
+    the requests waiting for the model with no preemption made for them yet (their priority and task id, in the
+    order replicas take them). The first of them are left to the `idle` replicas and to those expected free
+    within `after_s` (past their steps, or with no more than that left, or asked to stop with no waiting request
+    named: `freeing`, the task ids of those asked by hand); for the next, of the requests of a lower priority not
+    yet asked to stop, preempted fewer than `max_preemptions` times, with more than `after_s` left: the one
+    preempted the fewest times, then with the most time left (a request just resumed would otherwise be stopped
+    again at once, spending its preemptions while the others spend none)."""
+    soon = sum(1 for b in busy if (b.left_s is not None and b.left_s <= after_s) or b.task_id in freeing)
+    if len(waiting) <= idle + soon:
         return None
-    if any(b.left_s is not None and b.left_s <= after_s for b in busy):
-        return None
-    candidates = [b for b in busy if rank(b.priority) > rank(waiting) and b.preemptions < max_preemptions
-                  and b.left_s is not None and b.left_s > after_s]
-    return max(candidates, key=lambda b: (-b.preemptions, b.left_s), default=None)
+    priority, task_id = waiting[idle + soon]
+    candidates = [b for b in busy if not b.asked and rank(b.priority) > rank(priority)
+                  and b.preemptions < max_preemptions and b.left_s is not None and b.left_s > after_s]
+    chosen = max(candidates, key=lambda b: (-b.preemptions, b.left_s), default=None)
+    return None if chosen is None else (chosen, task_id)
 
 
 def left_s(progress: dict | None, now: float) -> float | None:
@@ -104,27 +112,30 @@ class Preemptor:
         beats = heartbeat.read(self.redis, self.stale_s)
         if self.name not in beats.running:
             return  # only the replica whose request is chosen asks: this one runs nothing
-        waiting = self.waiting()
-        if waiting is None or rank(waiting) >= rank(Priority(beats.running[self.name]["priority"])):
-            return
         mine = self.of_model(beats.serving)
-        busy = self.busy({name: beats.running[name] for name in mine if name in beats.running})
-        chosen = choose(waiting, busy, idle=len([n for n in mine if n not in beats.running]),
-                        after_s=self.after_s, max_preemptions=self.max_preemptions)
-        if chosen is None or chosen.replica != self.name:
+        unclaimed, victims = self.waiting(len(mine))
+        if not unclaimed or rank(unclaimed[0][0]) >= rank(Priority(beats.running[self.name]["priority"])):
             return
-        if self.redis.set(CLAIM_KEY + self.model, self.name, nx=True, px=int(CLAIM_S * 1000)):
-            log.info("preemption: request %s (%s, about %.0f s left) stops at its next step for a waiting %s "
-                     "request of %s", chosen.task_id, chosen.priority, chosen.left_s, waiting, self.model)
-            preempt.ask(self.redis, chosen.task_id)
+        busy = self.busy({name: beats.running[name] for name in mine if name in beats.running})
+        chosen = choose(unclaimed, busy, idle=len([n for n in mine if n not in beats.running]),
+                        after_s=self.after_s, max_preemptions=self.max_preemptions,
+                        freeing=frozenset(b.task_id for b in busy if b.asked and b.task_id not in victims))
+        if chosen is None or chosen[0].replica != self.name:
+            return
+        victim, waiting_id = chosen
+        if self.redis.set(CLAIM_KEY + waiting_id, victim.task_id, nx=True, ex=CLAIM_S):
+            log.info("preemption: request %s (%s, about %.0f s left) stops at its next step for request %s of %s, "
+                     "waiting", victim.task_id, victim.priority, victim.left_s, waiting_id, self.model)
+            preempt.ask(self.redis, victim.task_id)
 
-    def waiting(self) -> Priority | None:
-        """The highest priority of a request waiting in this model's queue, or None."""
-        lists = queue_lists(self.queue)
-        pipe = self.redis.pipeline(transaction=False)
-        for name in lists:
-            pipe.llen(name)
-        return next((level for level, n in zip(Priority, pipe.execute()) if n), None)
+    def waiting(self, first: int) -> tuple[list[tuple[Priority, str]], set[str]]:
+        """The requests waiting for this model with no preemption made for them, in the order replicas take them
+        (of each priority's list, the first `first`: no more can be given a replica), and the task ids of the
+        requests preempted for the others."""
+        queued = [(level, task_id) for level, task_id in waiting(self.redis, self.queue, first) if task_id]
+        claims = self.redis.mget([CLAIM_KEY + task_id for _, task_id in queued]) if queued else []
+        return ([w for w, claim in zip(queued, claims) if claim is None],
+                {claim.decode() for claim in claims if claim is not None})
 
     def of_model(self, serving: list[str]) -> list[str]:
         """The serving replicas of this replica's model."""

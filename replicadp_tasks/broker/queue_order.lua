@@ -1,4 +1,4 @@
--- Where queued jobs wait (gateway.Gateway.queue_order): per list of the queue, its length and the task ids of its
+-- Where queued requests wait (placement.waiting; the gateway's queue positions): per list of the queue, its length and the task ids of its
 -- first ARGV[1] messages from the end replicas take from (BRPOP: the right). A message names its task id in its
 -- headers as `"id": "<uuid>"`, the first `"id": ` of kombu's JSON (the body is base64, and text a request carries
 -- sits inside JSON strings, its quotes escaped).
