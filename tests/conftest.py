@@ -64,7 +64,7 @@ CLUSTER_FIXTURES = {"redis_db", "redis_server", "replicas", "tiny_model", "clean
 # The files that take minutes go to the xdist workers first, longest first (seconds measured in a `make test` run,
 # docs/testing.md), so that none of them starts last and keeps the run waiting on one worker.
 LONGEST_FIRST = ["test_faults.py", "test_failover.py", "test_layouts.py", "test_parallel.py", "test_isolation.py",
-                 "test_fleet.py",
+                 "test_preemption.py", "test_fewstep.py", "test_fleet.py",
                  "test_gpu_check.py", "test_adapters.py", "test_webhooks.py", "test_ui.py", "test_step_cache.py",
                  "test_cli.py", "test_ops.py", "test_http.py", "test_jobs.py", "test_embedded.py", "test_bench.py",
                  "test_hostile.py", "test_scheduling.py", "test_architectures.py", "test_stopped.py",
