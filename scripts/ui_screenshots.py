@@ -125,6 +125,7 @@ def first_view(url: str) -> None:
             open_ui(driver, url, [])
             wait(lambda: driver.execute_script("return $('queue').textContent !== 'Loading…'"), "the first poll")
             save(driver, f"ui-empty-{size}", width, height, whole=True)
+            driver.execute_script("$('advanced').open = true")  # the fields typed into below are folded there
             driver.find_element("id", "f-prompt").clear()
             for field, value in (("num_inference_steps", "17e"), ("guidance_scale", "abc")):
                 driver.find_element("id", f"f-{field}").clear()

@@ -238,8 +238,10 @@ class Gateway:
         await self.admission.reserve(task_id, model)
         # OpenAI's and vllm-omni's `seconds` is whole seconds; num_frames and fps say the exact length.
         seconds = form.seconds if form.seconds is not None else max(1, round(req.num_frames / req.fps))
+        # num_inference_steps: the page's estimate of when queued requests start reads their size (waits.plan).
         job = {"model": model, "prompt": req.prompt, "size": f"{req.width}x{req.height}",
-               "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps, "priority": asked.value}
+               "seconds": str(seconds), "num_frames": req.num_frames, "fps": req.fps, "priority": asked.value,
+               "num_inference_steps": req.num_inference_steps}
         return Admitted(task_id, kwargs, job)
 
     def _publish(self, admitted: Admitted) -> None:

@@ -19,7 +19,7 @@ from .form import VideoForm, video_form
 from .gateway import Gateway
 from .jobs import job_view, video_response
 from .schema import ERRORS, Health, JobOrder, ModelCard, ModelList, ModelReplica, VideoDeleted, VideoJob, VideoList
-from .waits import capacity, expected_start_s, recents, snapshots
+from .waits import plans
 
 router = APIRouter()
 KEEP = "private, max-age=31536000, immutable"  # a job's video and poster never change: a browser keeps them
@@ -73,16 +73,14 @@ async def create_video(form: VideoFormDep, gw: GatewayDep, key: PolicyDep):
 
 async def shown(request: Request, gw: Gateway, found: list[tuple[dict, dict | None]]) -> list[VideoJob]:
     """The job objects of (record, result meta) pairs, a queued one with its place in the queue and its expected
-    start (waits.py); a job deleted while it ran whose video was stored meanwhile has it removed."""
+    start (waits.plan); a job deleted while it ran whose video was stored meanwhile has it removed."""
     jobs = [job_view(record, meta) for record, meta in found]
     if any(job.status == "queued" for job in jobs):
-        positions = await gw.queue_positions()
-        cap = capacity(await snapshots(request).get())
-        mean = (await recents(request).get()).mean_request_s
+        positions, planned = await gw.queue_positions(), await plans(request).get()
         for job in jobs:
             if job.status == "queued" and job.id in positions:
                 job.queue_position = positions[job.id]
-                job.expected_start_s = expected_start_s(job.queue_position - 1, cap, mean)
+                job.expected_start_s = planned[job.model].starts.get(job.id) if job.model in planned else None
     for record, meta in found:
         if "cancelled_at" in record and meta and meta["status"] == RequestState.SUCCESS:
             await asyncio.to_thread(remove_video, meta["result"])  # what the gateway's watch may have missed
@@ -123,13 +121,38 @@ async def completed(gw: Gateway, video_id: str, who: str | None) -> dict:
 
 @router.get("/v1/videos/{video_id}/content", response_class=Response, responses={
     200: {"content": {"video/mp4": {}}, "description": "The MP4 of a completed job."}, **ERRORS})
-async def get_video_content(video_id: str, gw: GatewayDep, who: OwnerDep):
+async def get_video_content(request: Request, video_id: str, gw: GatewayDep, who: OwnerDep):
     """The MP4 of a completed job, the same bytes a sync request for the same input answers; a browser may keep
-    it (a job's video never changes)."""
+    it (a job's video never changes). A `Range: bytes=...` of one range answers 206 with those bytes: a
+    player starts before the whole file has come (and reads the index at its end first)."""
     result = (await completed(gw, video_id, who))["result"]
-    response = video_response(result, await asyncio.to_thread(fetch_video, result))
-    response.headers.update({"Cache-Control": KEEP, "ETag": f'"{result["video_sha256"]}"'})
+    video = await asyncio.to_thread(fetch_video, result)
+    etag = f'"{result["video_sha256"]}"'
+    asked = request.headers.get("range") if request.headers.get("if-range", etag) == etag else None
+    part = byte_range(asked, len(video)) if asked else None
+    if part == ():
+        return Response(status_code=416, headers={"Content-Range": f"bytes */{len(video)}", "Accept-Ranges": "bytes"})
+    response = video_response(result, video[part[0]:part[1] + 1] if part else video)
+    response.headers.update({"Cache-Control": KEEP, "ETag": etag, "Accept-Ranges": "bytes"})
+    if part:
+        response.status_code = 206
+        response.headers["Content-Range"] = f"bytes {part[0]}-{part[1]}/{len(video)}"
     return response
+
+
+def byte_range(header: str, size: int) -> tuple[int, int] | tuple[()] | None:
+    """The (first, last) byte of a `Range: bytes=...` header of one range over `size` bytes; () where it cannot be
+    satisfied (416); None where it is not one such range (several ranges, another unit, bad syntax: the whole file,
+    as RFC 9110 lets a server answer)."""
+    unit, _, spec = header.partition("=")
+    first, dash, last = spec.strip().partition("-")
+    if unit.strip().lower() != "bytes" or "," in spec or not dash or not (first + last).isdigit():
+        return None
+    if not first:  # the last N bytes
+        return (max(0, size - int(last)), size - 1) if int(last) and size else ()
+    if int(first) >= size or (last and int(last) < int(first)):
+        return () if int(first) >= size else None
+    return int(first), min(size - 1, int(last)) if last else size - 1
 
 
 @router.get("/v1/videos/{video_id}/poster", response_class=Response, responses={

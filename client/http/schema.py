@@ -136,6 +136,23 @@ class CostModel(BaseModel):
     max_units: float
 
 
+class ModelStatus(BaseModel):
+    """One model the deployment serves, as the web page's form and queue show it (docs/ui.md)."""
+
+    id: str
+    queue_by_priority: dict[str, int]  # requests waiting for it, per priority (cancelled ones, never run, left out)
+    # per priority: seconds until a request for it queued now starts; None: unknown
+    expected_wait_s: dict[str, float | None]
+    mean_request_s: float | None  # the mean replica time of its recent completed jobs; None: none completed lately
+    request_cost: CostModel | None  # what a request of a given size takes on it, at the recent jobs' pace
+    load: float  # how much longer steps take now than request_cost says (the requests running tell): 1, as long
+    after_steps_s: float | None  # what followed the last step lately (decode, encode, store); None: not measured
+    defaults: dict[str, str | int | float]  # what a request to it leaves out gets (its recipe's steps and guidance)
+    recipe: str | None = None  # its sampling recipe in a line (a few-step model's); None: none
+    fixed: list[str] = []  # the fields its recipe fixes: a request may give no other value
+    final: str | None = None  # a few-step model: the exact model beside it (the same checkpoint), for a final
+
+
 class ClusterStatus(BaseModel):
     """GET /v1/status: what the web page shows live (docs/ui.md)."""
 
@@ -149,6 +166,9 @@ class ClusterStatus(BaseModel):
     defaults: dict[str, str | int | float] = {}
     # what a request of a given size takes, from the same recent jobs; None: none completed lately
     request_cost: CostModel | None = None
+    # every model served (the figures above are the default model's: the one a request naming none runs on)
+    models: list[ModelStatus] = []
+    default_model: str | None = None  # None: several served and none the default (a request must name one)
 
 
 class ErrorDetail(BaseModel):

@@ -8,32 +8,43 @@ const EXAMPLES = [["fox in snow", "a red fox trotting through fresh snow at dawn
   ["waves", "waves breaking on a rocky shore, slow motion"], ["paper boat", "a paper boat drifting down a rain gutter"],
   ["balloon", "a hot-air balloon rising over misty hills at sunrise"]];
 const PRESETS = [["480p landscape", 832, 480], ["720p", 1280, 704], ["portrait", 480, 832], ["square", 512, 512]];
-// What the gateway fills in for what a request leaves out, until /v1/status says (its `defaults`).
+// What the gateway fills in for what a request leaves out, until /v1/status says (its `defaults`, per model).
 const FALLBACK = {size: "832x480", num_frames: 33, num_inference_steps: 30, guidance_scale: 5.0, fps: 24};
 const LABEL = {prompt: "Prompt", negative_prompt: "Negative prompt", size: "Size", length: "Length",
   num_inference_steps: "Steps", guidance_scale: "Guidance", seed: "Seed", priority: "Priority", quality: "Fidelity",
-  loras: "LoRA adapters", input_reference: "First frame"};
+  loras: "LoRA adapters", input_reference: "First frame", model: "Model"};
 // The API's `param` -> the field that shows its error (several parameters share one field).
 const FIELD_OF = {width: "size", height: "size", num_frames: "length", seconds: "length", fps: "length"};
 const CHECKED = ["prompt", "size", "length", "num_inference_steps", "guidance_scale", "seed", "loras"];
 const INT = /^[+-]?\d+$/;
 const NUMBER = /^[+-]?(\d+\.?\d*|\.\d+)$/;
 
-const ui = {status: null, polls: 0, showAll: false, cursor: undefined, hasMore: false, touched: new Set(), defaulted: false};
+const ui = {status: null, polls: 0, showAll: false, cursor: undefined, hasMore: false, touched: new Set(),
+  defaulted: null, gallery: new Map()};
 
 // --- the form ----------------------------------------------------------------------------------------------
 
 const custom = () => $("f-size-preset").value === "custom";
 const sizeText = () => (custom() ? $("f-size").value.trim() : $("f-size-preset").value);
-const defaults = () => ({...FALLBACK, ...((ui.status && ui.status.defaults) || {})});
+const models = () => (ui.status && ui.status.models) || [];
+// The model the form sends to: the one chosen, else the deployment's default (or its only one).
+const chosen = () => models().find((m) => m.id === $("f-model").value) || null;
+const defaults = () => ({...FALLBACK, ...((chosen() || {}).defaults || (ui.status && ui.status.defaults) || {})});
 
 function inputOf(field) {
   if (field === "size") return custom() ? $("f-size") : $("f-size-preset");
   return $(field === "length" ? "f-length" : `f-${field}`);
 }
 
+// The live replicas of the model the form sends to (all of them while the page knows no model).
+function replicasOf() {
+  const all = ui.status ? ui.status.replicas : [];
+  const model = chosen();
+  return model ? all.filter((r) => r.model === model.id) : all;
+}
+
 function multiple() {
-  const all = ui.status ? ui.status.replicas.map((r) => r.size_multiple).filter(Boolean) : [];
+  const all = replicasOf().map((r) => r.size_multiple).filter(Boolean);
   return all.length ? Math.max(...all) : null;
 }
 
@@ -45,9 +56,9 @@ function presets() {
   options.push(["custom", "custom…"]);
   const select = $("f-size-preset");
   if (options.map((o) => o[0]).join() === [...select.options].map((o) => o.value).join()) return;
-  const chosen = select.selectedIndex;
+  const was = select.selectedIndex;
   select.replaceChildren(...options.map(([value, text]) => new Option(text, value)));
-  select.selectedIndex = Math.max(0, chosen);
+  select.selectedIndex = Math.max(0, was);
 }
 
 function setSize(text) {
@@ -62,13 +73,24 @@ function formatNumber(v) {
 }
 
 function applyDefaults() {
-  // The gateway's defaults shown as values (and sent as shown), in the fields the user has not touched.
+  // The chosen model's defaults shown as values (and sent as shown), in the fields the user has not touched; the
+  // fields its recipe fixes (a few-step model's steps and guidance) hold its values, read-only.
   const d = defaults();
-  const put = (field, fill) => { if (!ui.touched.has(field)) fill(); };
+  const fixed = new Set((chosen() || {}).fixed || []);
+  const put = (field, fill) => { if (!ui.touched.has(field) || fixed.has(field)) fill(); };
   put("size", () => setSize(String(d.size)));
   put("length", () => { $("f-length").value = d.num_frames; $("f-length-unit").value = "num_frames"; });
   put("num_inference_steps", () => { $("f-num_inference_steps").value = d.num_inference_steps; });
   put("guidance_scale", () => { $("f-guidance_scale").value = formatNumber(d.guidance_scale); });
+  for (const field of ["num_inference_steps", "guidance_scale"]) {
+    $(`f-${field}`).readOnly = fixed.has(field);
+    if (fixed.has(field)) setError(field, "");
+  }
+  const recipe = (chosen() || {}).recipe;
+  $("hint-recipe").hidden = !fixed.size;
+  $("hint-recipe").textContent = fixed.size
+    ? `Steps and guidance are fixed by ${chosen().id}'s recipe: ${recipe}.` : "";
+  ui.defaulted = chosen() ? chosen().id : "";
 }
 
 // The error of one field, as the user typed it ("" when fine): every value is checked as typed, never replaced.
@@ -115,9 +137,15 @@ function check(field) {
 function setError(field, message) {
   const input = inputOf(field);
   $(`err-${field}`).textContent = message;
-  if (message) input.setAttribute("aria-invalid", "true");
-  else for (const other of document.querySelectorAll(`#video-form [aria-invalid]`)) {
-    if ((other.getAttribute("aria-describedby") || "").split(" ").includes(`err-${field}`)) other.removeAttribute("aria-invalid");
+  if (message) {
+    input.setAttribute("aria-invalid", "true");
+    const folded = input.closest("details");
+    if (folded) folded.open = true;  // a bad field is never hidden in the folded settings
+  } else {
+    for (const other of document.querySelectorAll(`#video-form [aria-invalid]`)) {
+      const described = (other.getAttribute("aria-describedby") || "").split(" ");
+      if (described.includes(`err-${field}`)) other.removeAttribute("aria-invalid");
+    }
   }
 }
 
@@ -164,6 +192,7 @@ function formData() {
   const data = new FormData();
   const text = (id) => $(id).value.trim();
   data.append("prompt", $("f-prompt").value);
+  if (!$("model-field").hidden) data.append("model", $("f-model").value);
   if (text("f-negative_prompt")) data.append("negative_prompt", $("f-negative_prompt").value);
   data.append("size", sizeText().toLowerCase().replace("×", "x").replace(/\s/g, ""));
   data.append($("f-length-unit").value, text("f-length"));
@@ -191,7 +220,8 @@ async function onSubmit(event) {
   const go = $("submit");
   go.disabled = true;
   try {
-    await submit(formData(), null);
+    const job = await submit(formData(), {steps: Number($("f-num_inference_steps").value)});
+    showSent(job);
   } catch (err) {
     if (err.status !== 401) showServerError(err);
   } finally {
@@ -199,36 +229,73 @@ async function onSubmit(event) {
   }
 }
 
-// What a request takes on a replica, from /v1/status's request_cost (fitted to recent jobs): trusted only for a
-// size within a factor of the jobs it was fitted to.
+// After Generate: say so under the button, and bring the request's item into view (below the form on a phone,
+// at the top of the other column on a wide screen), marked for a moment.
+function showSent(job) {
+  const li = document.querySelector(`#requests li[data-id="${CSS.escape(job.id)}"]`);
+  const where = job.queue_position != null ? `, ${ordinal(job.queue_position)}` : "";
+  $("sent").replaceChildren(`Sent: "${short(job.prompt, 40)}" is queued${where}. `,
+    el("a", {href: "#mine", textContent: "See it in My requests"}));
+  if (!li) return;
+  li.classList.add("new");
+  setTimeout(() => li.classList.remove("new"), 4000);
+  const box = li.getBoundingClientRect();
+  if (box.top < 0 || box.bottom > innerHeight) li.scrollIntoView({block: "nearest"});
+}
+
+// What a request takes on a replica of `model`, from its request_cost (fitted to recent jobs) at the pace its
+// steps go now (`load`): trusted only for a size within a factor of the jobs it was fitted to.
 const COST_RANGE = 4;
+
+function units(steps) {
+  const [w, h] = sizeText().split(/\s*[x×]\s*/i).map(Number);
+  const n = Number($("f-length").value);
+  const seconds = $("f-length-unit").value === "seconds" ? n * defaults().fps : n;
+  const frames = seconds % 4 === 1 ? seconds : Math.floor(seconds / 4) * 4 + 1;
+  return w * h * frames / 1e6 * steps;
+}
+
+// Seconds on a replica of `model` for the form's request (its own steps where its recipe fixes them); null when
+// unknown (no recent job, or none of about this size).
+function runSeconds(model) {
+  const cost = model.request_cost;
+  if (cost == null) return null;
+  const steps = (model.fixed || []).includes("num_inference_steps") ? model.defaults.num_inference_steps
+    : Number($("f-num_inference_steps").value);
+  const u = units(steps);
+  if (u < cost.min_units / COST_RANGE || u > cost.max_units * COST_RANGE) return null;
+  return (cost.fixed_s + cost.per_unit_s * u) * (model.load || 1);
+}
 
 function renderCost() {
   const st = ui.status;
   if (!st) return;
+  const model = chosen() || {request_cost: st.request_cost, expected_wait_s: st.expected_wait_s, load: 1,
+    defaults: st.defaults, fixed: []};
   const priority = $("f-priority").value;
-  const wait = (st.expected_wait_s || {})[priority];
+  const wait = (model.expected_wait_s || {})[priority];
   const waitText = wait == null ? `the wait for a replica (${priority}) is unknown` : wait < 1
     ? `starts at once (${priority})` : `starts after about ${dur(wait)} in the ${priority} queue`;
-  const model = st.request_cost;
+  const valid = !["size", "length", "num_inference_steps"].some((f) => check(f));
   let text;
-  if (["size", "length", "num_inference_steps"].some((f) => check(f))) {
-    text = `Cost: shown once size, length and steps are valid; ${waitText}.`;
-  } else if (model == null) text = `Cost: unknown until a request completes on these replicas; ${waitText}.`;
+  if (!valid) text = `Cost: shown once size, length and steps are valid; ${waitText}.`;
+  else if (model.request_cost == null) text = `Cost: unknown until a request completes on these replicas; ${waitText}.`;
   else {
-    const [w, h] = sizeText().split(/\s*[x×]\s*/i).map(Number);
-    const n = Number($("f-length").value);
-    const seconds = $("f-length-unit").value === "seconds" ? n * defaults().fps : n;
-    const frames = seconds % 4 === 1 ? seconds : Math.floor(seconds / 4) * 4 + 1;
-    const units = w * h * frames / 1e6 * Number($("f-num_inference_steps").value);
-    if (units < model.min_units / COST_RANGE || units > model.max_units * COST_RANGE) {
-      text = `Cost: unknown for this size (no recent request of about its size); ${waitText}.`;
-    } else {
-      const run = model.fixed_s + model.per_unit_s * units;
-      text = `About ${dur(run)} on a replica; ${waitText}` + (wait ? `: about ${dur(run + wait)} in all.` : ".");
-    }
+    const run = runSeconds(model);
+    text = run == null ? `Cost: unknown for this size (no recent request of about its size); ${waitText}.`
+      : `${run < 1 ? "Under a second" : `About ${dur(run)}`} on a replica; ${waitText}` +
+        (wait ? `: about ${dur(run + wait)} in all.` : ".");
   }
   $("cost").textContent = text;
+  // Each model offered with what the form's request would take there.
+  for (const option of $("f-model").options) {
+    const m = models().find((x) => x.id === option.value);
+    if (!m) continue;
+    const run = valid ? runSeconds(m) : null;
+    const label = [m.id, m.recipe ? `few-step (${m.defaults.num_inference_steps} steps)` : null,
+      run != null ? about(run + (m.expected_wait_s[priority] || 0)) : null].filter(Boolean).join(" · ");
+    if (option.textContent !== label) option.textContent = label;
+  }
 }
 
 async function prefillFrom(id) {
@@ -247,23 +314,30 @@ async function prefillFrom(id) {
   if (job.priority) $("f-priority").value = job.priority;
   if (p.quality != null) $("f-quality").value = p.quality;
   $("f-loras").value = (p.loras || []).map((l) => `${l.name}:${l.scale}`).join(", ");
+  ui.prefillModel = job.model;
+  if ([...$("f-model").options].some((o) => o.value === job.model)) $("f-model").value = job.model;
   for (const field of Object.keys(LABEL)) ui.touched.add(field);
+  applyDefaults();
   if (p.image_sha256) $("form-error").textContent = "This video started from an uploaded first frame: choose the image again.";
   renderCost();
 }
 
 // --- my requests -------------------------------------------------------------------------------------------
 
-const foot = {all: null, clear: null};
+const foot = {all: null, clear: null, cancelAll: null};
 
 function renderMine() {
   const list = mine();
+  const ordered = inRunOrder(list);
   $("mine-empty").hidden = list.length > 0;
-  renderList($("requests"), ui.showAll ? list : list.slice(0, SHOW_MINE));
+  renderList($("requests"), ui.showAll ? ordered : ordered.slice(0, SHOW_MINE));
   foot.all.hidden = list.length <= SHOW_MINE;
   foot.all.textContent = ui.showAll ? "Show fewer" : `Show all ${list.length}`;
   foot.all.setAttribute("aria-expanded", String(ui.showAll));
   foot.clear.hidden = !list.some((e) => ENDED.has(e.state));
+  const live = list.filter((e) => !ENDED.has(e.state) && e.state !== "cancelling");
+  foot.cancelAll.hidden = live.length < 2;
+  foot.cancelAll.textContent = `Cancel all ${live.length}`;
   const title = titleOf(list);
   document.title = title ? `${title} — replicadp` : "replicadp";
 }
@@ -275,6 +349,12 @@ function clearFinished() {
   announce(`Cleared ${list.length - kept.length} finished requests from this list.`);
   renderMine();
   $("mine-title").focus();
+}
+
+async function cancelAll() {
+  const live = mine().filter((e) => !ENDED.has(e.state) && e.state !== "cancelling");
+  await Promise.all(live.map(cancel));
+  announce(`Cancelling ${live.length} requests.`);
 }
 
 // --- the cluster -------------------------------------------------------------------------------------------
@@ -306,13 +386,24 @@ function replicaState(r, entries) {
   return {text: `${what}: ${doing}`, phase, step, total};
 }
 
+function queueLine(m, serving) {
+  // Per model: what waits (cancelled requests left out: they never run) and when a request sent now would start.
+  const priorities = Object.keys(m.queue_by_priority);
+  const each = (f) => priorities.map((p) => `${p} ${f(p)}`).join(", ");
+  const waiting = priorities.reduce((n, p) => n + m.queue_by_priority[p], 0);
+  return `${waiting} waiting (${each((p) => m.queue_by_priority[p])}). A request sent now starts: ` +
+    `${each((p) => startsIn(m.expected_wait_s[p]))}. ${serving} replica${serving === 1 ? "" : "s"} serving.`;
+}
+
 function renderStatus() {
   const st = ui.status;
-  const priorities = Object.keys(st.queue_by_priority);
-  const serving = st.replicas.filter((r) => r.serving).length;
-  const each = (f) => priorities.map((p) => `${p} ${f(p)}`).join(", ");
-  $("queue").textContent = `${st.queue_depth} waiting (${each((p) => st.queue_by_priority[p])}). A request sent now ` +
-    `starts: ${each((p) => startsIn(st.expected_wait_s[p]))}. ${serving} of ${st.replicas.length} replicas serving.`;
+  state.models = new Map(models().map((m) => [m.id, m]));
+  renderModels();
+  const servingOf = (id) => st.replicas.filter((r) => r.serving && (id == null || r.model === id)).length;
+  const lines = models().length ? models().map((m) => (models().length > 1 ? `${m.id}: ` : "") +
+    queueLine(m, servingOf(m.id))) : [queueLine({queue_by_priority: st.queue_by_priority,
+    expected_wait_s: st.expected_wait_s}, servingOf(null))];
+  $("queue").textContent = lines.join(" ");
   const entries = new Map(mine().map((e) => [e.id, e]));
   const rows = st.replicas.map((r) => {
     const tr = el("tr");
@@ -337,72 +428,75 @@ function renderStatus() {
   const none = "No live replica: requests wait in the queue until one starts.";
   if (!rows.length) rows.push(el("tr", {}, el("td", {colSpan: 4, textContent: none})));
   $("replicas").tBodies[0].replaceChildren(...rows);
-  // Offer what some live replica offers: a first frame (TI2V), a choice of fidelity, LoRA adapters.
+  renderOffers();
+  renderAbout();
+  renderCost();
+}
+
+function renderModels() {
+  // Several models (a fleet, or a few-step model beside the exact one): the form offers them by name.
+  const list = models();
+  const select = $("f-model");
+  if (list.map((m) => m.id).join() !== [...select.options].map((o) => o.value).join()) {
+    // The deployment's default model, else a few-step one (preview first, then "Make the final"), else the first.
+    const was = select.value || ui.prefillModel || ui.status.default_model || (list.find((m) => m.recipe) || {}).id;
+    select.replaceChildren(...list.map((m) => new Option(m.id, m.id)));
+    if (list.some((m) => m.id === was)) select.value = was;
+  }
+  $("model-field").hidden = list.length < 2;
+  if (ui.defaulted !== (chosen() ? chosen().id : "")) applyDefaults();
+}
+
+function renderOffers() {
+  // Offer what some live replica of the chosen model offers: a first frame (TI2V), a choice of fidelity, adapters.
+  const here = replicasOf();
   const m = multiple();
   $("size-multiple").textContent = m ? `, multiples of ${m}` : "";
   presets();
-  $("image-field").hidden = !st.replicas.some((r) => r.accepts_image);
-  const qualities = [...new Set(st.replicas.filter((r) => r.qualities && r.qualities.length > 1).flatMap((r) => r.qualities))];
+  $("image-field").hidden = !here.some((r) => r.accepts_image);
+  const qualities = [...new Set(here.filter((r) => r.qualities && r.qualities.length > 1).flatMap((r) => r.qualities))];
   const select = $("f-quality");
   if (qualities.join() !== [...select.options].map((o) => o.value).join()) {
     select.replaceChildren(...qualities.map((q) => new Option(q, q)));
   }
   $("quality-field").hidden = qualities.length === 0;
-  const loras = [...new Set(st.replicas.flatMap((r) => r.loras || []))];
+  const loras = [...new Set(here.flatMap((r) => r.loras || []))];
   $("loras-available").textContent = loras.join(", ");
   $("loras-field").hidden = loras.length === 0;
-  renderCost();
+}
+
+function renderAbout() {
+  // The header says what runs here: the models and how many replicas serve them.
+  const st = ui.status;
+  const serving = st.replicas.filter((r) => r.serving).length;
+  const names = models().map((m) => m.id);
+  const what = names.length ? names.join(" and ") : "no model yet";
+  $("served").textContent = `${what} on ${serving} replica${serving === 1 ? "" : "s"}`;
 }
 
 // --- the gallery: a poster each (a few kB), the MP4 fetched only when played ----------------------------------
 
 function card(job) {
-  const [w, h] = job.size.split("x").map(Number);
-  const img = el("img", {alt: "", width: w, height: h, decoding: "async"});
-  const thumb = el("button", {type: "button", className: "thumb"}, img, el("span", {className: "play", textContent: "▶"}));
-  thumb.style.aspectRatio = `${w} / ${h}`;
-  thumb.setAttribute("aria-label", `Play "${short(job.prompt, 60)}"`);
+  const li = el("li", {className: "card"});
+  const hint = el("p", {className: "hint"});
   const link = el("a", {className: "prompt", href: `/ui/videos/${encodeURIComponent(job.id)}`, textContent: job.prompt});
-  const facts = [job.seed != null ? `seed ${job.seed}` : null, job.size, `${job.num_frames} frames`,
-    job.params ? `${job.params.num_inference_steps} steps` : null, job.replica].filter(Boolean).join(" · ");
-  const li = el("li", {className: "card"}, thumb, link, el("p", {className: "hint", textContent: facts}));
+  hint.textContent = [madeAt(job.created_at), job.seed != null ? `seed ${job.seed}` : null, job.size,
+    plural(job.num_frames, "frame"), job.params ? plural(job.params.num_inference_steps, "step") : null,
+    models().length > 1 ? job.model : null, job.replica].filter(Boolean).join(" · ");
+  li.append(thumb(job, (why) => { hint.textContent = `Video unavailable: ${why}`; }), link, hint);
   li.dataset.videoId = job.id;
   li.dataset.created = job.created_at;
-  thumb.addEventListener("click", () => play(li, job));
-  blobUrl(`${jobPath(job.id)}/poster`).then((url) => { img.src = url; }, () => img.remove());
   return li;
-}
-
-async function play(li, job) {
-  const thumb = li.querySelector(".thumb");
-  let video = thumb.querySelector("video");
-  if (!video) {
-    thumb.setAttribute("aria-busy", "true");
-    try {
-      video = el("video", {muted: true, loop: true, playsInline: true, src: await blobUrl(`${jobPath(job.id)}/content`)});
-    } catch (err) {
-      li.querySelector(".hint").textContent = `Video unavailable: ${err.message}`;
-      return;
-    } finally {
-      thumb.removeAttribute("aria-busy");
-    }
-    const img = thumb.querySelector("img");
-    if (img) { video.poster = img.src; img.remove(); }
-    const label = (verb) => () => {
-      thumb.classList.toggle("playing", verb === "Pause");
-      thumb.setAttribute("aria-label", `${verb} "${short(job.prompt, 60)}"`);
-    };
-    video.addEventListener("play", label("Pause"));
-    video.addEventListener("pause", label("Play"));
-    thumb.prepend(video);
-  }
-  if (video.paused) video.play().catch(() => {}); else video.pause();
 }
 
 function addCards(jobs, before) {
   const ul = $("gallery");
   const have = new Set([...ul.children].map((li) => li.dataset.videoId));
-  for (const job of jobs) if (job.status === "completed" && !have.has(job.id)) ul.insertBefore(card(job), before);
+  for (const job of jobs) {
+    if (job.status !== "completed") continue;
+    ui.gallery.set(job.id, job);
+    if (!have.has(job.id)) ul.insertBefore(card(job), before);
+  }
 }
 
 async function refreshGallery() {
@@ -424,6 +518,7 @@ async function refreshGallery() {
   if (ui.cursor === undefined) [ui.cursor, ui.hasMore] = [list.last_id, list.has_more];
   $("more").hidden = !ui.hasMore;
   $("gallery-empty").hidden = ul.children.length > 0;
+  renderExamples();
 }
 
 async function loadMore() {
@@ -434,6 +529,17 @@ async function loadMore() {
   $("gallery-empty").hidden = $("gallery").children.length > 0;
 }
 
+function renderExamples() {
+  // An example the deployment has made (a video of its prompt in the gallery) shows that video's poster.
+  for (const chip of $("examples").querySelectorAll("button.example")) {
+    if (chip.querySelector("img")) continue;
+    const made = [...ui.gallery.values()].find((j) => j.prompt === chip.dataset.prompt);
+    if (!made) continue;
+    const img = el("img", {alt: "", decoding: "async"});
+    mediaUrl(`${jobPath(made.id)}/poster`).then((url) => { img.src = url; chip.prepend(img); }, () => {});
+  }
+}
+
 // --- the loop ----------------------------------------------------------------------------------------------
 
 async function poll() {
@@ -441,7 +547,6 @@ async function poll() {
     try {
       const [status, completed] = await Promise.all([json("/v1/status"), pollEntries(mine())]);
       ui.status = status;
-      if (!ui.defaulted) { ui.defaulted = true; applyDefaults(); }
       renderStatus();
       if (completed || ui.polls % GALLERY_EVERY === 0) await refreshGallery();
       ui.polls += 1;
@@ -458,6 +563,17 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
+// Finished requests of an earlier visit that say neither how long they took nor their size: their job, once.
+async function fillEnded(entries) {
+  await Promise.all(entries.filter((e) => e.state === "completed" && e.took == null).map(async (e) => {
+    try {
+      update(e.id, summary(await json(jobPath(e.id))));
+    } catch (err) {
+      if (err.status === 404) update(e.id, {state: "gone"});
+    }
+  }));
+}
+
 function start() {
   state.rerender = renderMine;
   setUpKey(() => { ui.cursor = undefined; $("gallery").replaceChildren(); fillCompared(mine()).then(renderMine); });
@@ -467,7 +583,12 @@ function start() {
   for (const type of ["input", "change"]) {  // a select may say only "change"
     $("video-form").addEventListener(type, (event) => {
       const field = fieldOf(event.target);
-      ui.touched.add(field);
+      if (field === "model") {
+        renderOffers();
+        applyDefaults();
+      } else {
+        ui.touched.add(field);
+      }
       if (LABEL[field]) recheck(field);
       renderCost();
     });
@@ -477,12 +598,15 @@ function start() {
     if (custom()) $("f-size").focus();
   });
   for (const [name, text] of EXAMPLES) {
-    $("examples").append(button(name, () => {
+    const chip = button("", () => {
       $("f-prompt").value = text;
       ui.touched.add("prompt");
       recheck("prompt");
       $("f-prompt").focus();
-    }, `Use the example prompt "${text}"`, "example"));
+    }, `Use the example prompt "${text}"`, "example");
+    chip.append(el("span", {textContent: name}));
+    chip.dataset.prompt = text;
+    $("examples").append(chip);
   }
   $("random-seed").addEventListener("click", () => {
     $("f-seed").value = crypto.getRandomValues(new Uint32Array(1))[0];
@@ -490,14 +614,16 @@ function start() {
     announce(`Seed set to ${$("f-seed").value}.`);
   });
   foot.all = button("", () => { ui.showAll = !ui.showAll; renderMine(); }, null, "show-all");
+  foot.cancelAll = button("", cancelAll, "Cancel all my requests that have not ended", "cancel-all");
   foot.clear = button("Clear finished", clearFinished, "Clear finished requests from this list", "clear");
-  $("mine-foot").append(foot.all, foot.clear);
+  $("mine-foot").append(foot.all, foot.cancelAll, foot.clear);
   $("mine-title").tabIndex = -1;
   $("more").addEventListener("click", () => loadMore().catch((err) => announce(`Could not load more: ${err.message}`)));
   const from = new URLSearchParams(location.search).get("from");
   if (from) prefillFrom(from).catch((err) => { $("form-error").textContent = `Could not read that video: ${err.message}`; });
   renderMine();
   fillCompared(mine()).then(renderMine);
+  fillEnded(mine()).then(renderMine);
   poll();
 }
 

@@ -1,10 +1,10 @@
 // A video's own page, /ui/videos/<id> (docs/ui.md): the video, its first frame, its inputs, who ran it; re-run it
-// with the same inputs and priority, download it under a readable name, copy its request as curl or Python.
-// Needs common.js.
+// with the same inputs and priority, make the final of a preview, download it under a readable name, copy its
+// request as curl or Python (each waits for the video and saves it). Needs common.js.
 "use strict";
 
 const VIDEO_ID = decodeURIComponent(location.pathname.replace(/\/+$/, "").split("/").pop());
-const vp = {job: null, shown: false};
+const vp = {job: null, shown: false, rerun: null};
 
 // "A fox, in snow!" -> "a-fox-in-snow"
 function slug(text) {
@@ -17,7 +17,7 @@ function fields(job) {
   const p = job.params;
   const f = [["prompt", p.prompt], ["negative_prompt", p.negative_prompt || ""], ["size", `${p.width}x${p.height}`],
     ["num_frames", p.num_frames], ["fps", p.fps], ["num_inference_steps", p.num_inference_steps],
-    ["guidance_scale", p.guidance_scale], ["seed", p.seed]];
+    ["guidance_scale", p.guidance_scale], ["seed", p.seed], ["model", job.model]];
   for (const name of ["guidance_scale_2", "boundary_ratio", "quality"]) if (p[name] != null) f.push([name, p[name]]);
   if (p.loras != null) f.push(["loras", JSON.stringify(p.loras)]);
   if (job.priority) f.push(["priority", job.priority]);
@@ -30,23 +30,32 @@ function formOf(job) {
   return data;
 }
 
-const usesKey = () => !!sessionStorage.getItem(KEY);
 const endpoint = () => `${location.origin}/v1/videos`;
+const fileName = (job) => `${slug(job.prompt)}-seed${(job.params || {}).seed != null ? job.params.seed : job.seed}.mp4`;
 
+// curl: the sync route, which answers once the video is made, saved under the download's name.
 function curlOf(job) {
   const q = (s) => `'${s.replace(/'/g, "'\\''")}'`;
-  return [`curl -sS ${q(endpoint())}`, ...(usesKey() ? ['-H "Authorization: Bearer $REPLICADP_API_KEY"'] : []),
+  return [`curl -sS --fail-with-body -o ${q(fileName(job))} ${q(`${endpoint()}/sync`)}`,
+    ...(usesKey() ? ['-H "Authorization: Bearer $REPLICADP_API_KEY"'] : []),
     ...fields(job).map(([k, v]) => `--form-string ${q(`${k}=${v}`)}`)].join(" \\\n  ");
 }
 
+// Python: a job, polled until it ends, then its MP4 saved under the download's name.
 function pythonOf(job) {
   // JSON's string literals are Python's too.
   const s = JSON.stringify;
-  return [...(usesKey() ? ["import os", ""] : []), "import requests", "", "form = {",
-    ...fields(job).map(([k, v]) => `    ${s(k)}: ${s(v)},`), "}",
+  return [...(usesKey() ? ["import os"] : []), "import time", "", "import requests", "", `url = ${s(endpoint())}`,
     usesKey() ? "headers = {\"Authorization\": f\"Bearer {os.environ['REPLICADP_API_KEY']}\"}" : "headers = {}",
-    `job = requests.post(${s(endpoint())}, files={k: (None, v) for k, v in form.items()}, headers=headers).json()`,
-    "print(job[\"id\"], job[\"status\"])"].join("\n");
+    "form = {", ...fields(job).map(([k, v]) => `    ${s(k)}: ${s(v)},`), "}",
+    "r = requests.post(url, files={k: (None, v) for k, v in form.items()}, headers=headers)",
+    "job = r.json()", "if r.status_code != 200:", "    raise SystemExit(job[\"error\"][\"message\"])",
+    "while job[\"status\"] in (\"queued\", \"in_progress\"):", "    time.sleep(1)",
+    "    job = requests.get(f\"{url}/{job['id']}\", headers=headers).json()",
+    "if job[\"status\"] != \"completed\":", "    raise SystemExit(f\"{job['id']}: {job['error']['message']}\")",
+    `with open(${s(fileName(job))}, "wb") as out:`,
+    "    out.write(requests.get(f\"{url}/{job['id']}/content\", headers=headers).content)",
+    `print(job["id"], ${s(fileName(job))})`].join("\n");
 }
 
 function metaInto(dl, pairs) {
@@ -63,17 +72,12 @@ function show(job) {
   $("progress-box").hidden = true;
   const player = $("player");
   player.style.aspectRatio = `${w} / ${h}`;
+  player.style.setProperty("--ratio", w / h);
   player.setAttribute("aria-label", `Video: ${short(job.prompt, 80)}`);
   player.hidden = $("actions").hidden = $("details").hidden = false;
-  blobUrl(`${jobPath(job.id)}/poster`).then((url) => { player.poster = url; $("first-frame").src = url; },
+  mediaUrl(`${jobPath(job.id)}/poster`).then((url) => { player.poster = url; $("first-frame").src = url; },
     () => { $("first-frame").hidden = true; });
-  const download = $("download");
-  download.download = `${slug(job.prompt)}-seed${p.seed != null ? p.seed : job.seed}.mp4`;
-  blobUrl(`${jobPath(job.id)}/content`).then((url) => {
-    player.src = url;
-    download.href = url;
-    download.removeAttribute("aria-disabled");
-  }, (err) => { $("note").textContent = `The video could not be loaded: ${err.message}`; });
+  load(player, job);
   metaInto($("inputs"), [["Prompt", job.prompt], ["Negative prompt", p.negative_prompt || "(none)"],
     ["Size", job.size], ["Length", `${job.num_frames} frames at ${job.fps} fps (${(job.num_frames / job.fps).toFixed(1)} s)`],
     ["Steps", p.num_inference_steps], ["Guidance", p.guidance_scale != null ? p.guidance_scale.toFixed(1) : null],
@@ -98,6 +102,71 @@ function show(job) {
       "edit it in the form and choose the image again.";
   }
   $("edit").href = `/ui?from=${encodeURIComponent(job.id)}`;
+  renderRelated();
+}
+
+// The MP4 into the player, saying how far it has come: without a key the browser streams it (range requests)
+// and plays before it has all of it; with one it is fetched whole, with the key, and its bytes counted.
+function load(player, job) {
+  const loading = $("loading");
+  const download = $("download");
+  download.download = fileName(job);
+  const say = (text) => { loading.textContent = text; loading.hidden = !text; };
+  say("Loading the video…");
+  const ready = (url) => {
+    player.src = url;
+    download.href = url;
+    download.removeAttribute("aria-disabled");
+  };
+  if (!usesKey()) {
+    player.addEventListener("progress", () => {
+      const have = player.buffered.length ? player.buffered.end(player.buffered.length - 1) : 0;
+      if (!player.duration) return;
+      say(have < player.duration ? `Loading the video: ${Math.round(100 * have / player.duration)}%` : "");
+    });
+    player.addEventListener("canplay", () => { if (loading.textContent === "Loading the video…") say(""); });
+    ready(`${jobPath(job.id)}/content`);
+    return;
+  }
+  const counted = (got, total) => say(`Loading the video: ${total ? `${Math.round(100 * got / total)}% of ` : ""}` +
+    `${(total || got) >= 1e6 ? `${((total || got) / 1e6).toFixed(1)} MB` : `${Math.round((total || got) / 1e3)} kB`}`);
+  blobUrl(`${jobPath(job.id)}/content`, counted).then((url) => { say(""); ready(url); },
+    (err) => { say(""); $("note").textContent = `The video could not be loaded: ${err.message}`; });
+}
+
+// A preview and its final link to each other (this browser's list says which is which); a finished preview of a
+// few-step model offers "Make the final" on the exact model beside it (/v1/status's `final`).
+function renderRelated() {
+  const job = vp.job;
+  if (!job || !vp.shown) return;
+  const list = mine();
+  const own = list.find((e) => e.id === job.id) || {};
+  const final = list.find((e) => e.finalOf === job.id);
+  const link = (id, text) => el("a", {href: `/ui/videos/${encodeURIComponent(id)}`, textContent: text});
+  const parts = [];
+  if (own.finalOf) parts.push("The final of ", link(own.finalOf, "this preview"), ". ");
+  if (final) parts.push("Its final: ", link(final.id, `on ${final.model || "the exact model"}`), ` (${final.state}).`);
+  $("related").replaceChildren(...parts);
+  $("related").hidden = !parts.length;
+  const model = (state.models.get(job.model) || {}).final;
+  $("final").hidden = !model || !!final;
+  $("final").textContent = model ? `Make the final (${model})` : "Make the final";
+  $("final").setAttribute("aria-label", model ? `Make the final on ${model}: the same prompt, seed and size` : "");
+}
+
+async function final() {
+  const model = (state.models.get(vp.job.model) || {}).final;
+  $("final").disabled = true;
+  try {
+    const sent = await submit(finalForm(vp.job, model), {finalOf: vp.job.id, steps: null});
+    $("note").textContent = `The final is queued on ${model} (${sent.id}): it shows below until it ends.`;
+    vp.rerun = sent.id;
+  } catch (err) {
+    if (err.status !== 401) $("note").textContent = `The gateway refused the final: ${err.message}`;
+  } finally {
+    $("final").disabled = false;
+  }
+  renderRelated();
 }
 
 function render() {
@@ -110,26 +179,34 @@ function render() {
   }
   const entry = mine().find((e) => e.id === job.id) || {id: job.id, prompt: job.prompt, state: "queued"};
   $("progress-box").hidden = false;
-  const phase = phaseOf(entry, job);
-  if (["decoding", "encoding", "storing", "cancelling"].includes(phase)) $("progress").removeAttribute("value");
-  else $("progress").value = job.progress;
-  $("status").textContent = statusText(entry, job);
+  const p = progressOf(entry, job);
+  if (phaseOf(entry, job) === "cancelling") $("progress").removeAttribute("value");
+  else $("progress").value = p.value;
+  $("status").textContent = statusText(entry, job, p);
 }
 
-const reruns = () => mine().filter((e) => e.compareTo && e.compareTo.id === VIDEO_ID);
+// Re-runs of this video and its final, started from this browser.
+const reruns = () => mine().filter((e) => (e.compareTo && e.compareTo.id === VIDEO_ID) || e.finalOf === VIDEO_ID);
 
 function renderReruns() {
   const list = reruns();
   $("reruns-box").hidden = !list.length;
   renderList($("requests"), list);
+  const sent = list.find((e) => e.id === vp.rerun);
+  if (sent && ENDED.has(sent.state)) {  // its line under the video says how it went: the note has done its work
+    vp.rerun = null;
+    $("note").textContent = "";
+  }
+  renderRelated();
 }
 
 async function rerun() {
   const job = vp.job;
   $("rerun").disabled = true;
   try {
-    const sent = await submit(formOf(job), {id: job.id, frames_sha256: job.frames_sha256});
-    $("note").textContent = `Re-run queued (${sent.id}): it shows under Re-runs until it ends.`;
+    const sent = await submit(formOf(job), {compareTo: {id: job.id, frames_sha256: job.frames_sha256}});
+    $("note").textContent = `Re-run queued (${sent.id}): it shows below until it ends.`;
+    vp.rerun = sent.id;
   } catch (err) {
     if (err.status !== 401) $("note").textContent = `The gateway refused the re-run: ${err.message}`;
   } finally {
@@ -184,6 +261,10 @@ function start() {
   state.rerender = renderReruns;
   setUpKey(() => { vp.job = null; vp.shown = false; });
   $("rerun").addEventListener("click", rerun);
+  $("final").addEventListener("click", final);
+  // Which model makes the final of a preview: the models' status, once.
+  json("/v1/status").then((st) => { state.models = new Map((st.models || []).map((m) => [m.id, m])); renderRelated(); },
+    () => {});
   $("copy-curl").addEventListener("click", () => copy("curl"));
   $("copy-python").addEventListener("click", () => copy("python"));
   renderReruns();
