@@ -111,8 +111,8 @@ def _stopping(how, **_):
         MAIN.stopping.value = 1
     if MAIN.load_failed is not None and MAIN.load_failed.value:
         MAIN.worker.exitcode = Exit.CONFIG
-    running = _running()
-    if how == "Warm" and SETTINGS.preempt_on_shutdown and running is not None:
+    running = _running() if how == "Warm" and SETTINGS.preempt_on_shutdown else None
+    if running is not None:
         # From a thread: this is a signal handler, and the ask is a Redis round trip.
         threading.Thread(target=_preempt_for_shutdown, args=(running["task_id"],), daemon=True).start()
 

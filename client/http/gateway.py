@@ -18,7 +18,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from replicadp_tasks import app as celery_app, generate
-from replicadp_tasks.broker import QUEUE_ORDER
+from replicadp_tasks.broker import queue_order, queue_order_call
 from replicadp_tasks.cluster import connection, fleet
 from replicadp_tasks.contract import (READY, Accepts, GenerateRequest, InvalidRequest, Priority, RequestState,
                                       check_priority, choose_model, keys, queue_for, queue_lists, validate_request)
@@ -191,11 +191,10 @@ class Gateway:
     async def _read_queue_order(self) -> dict[str, int]:
         order = {}
         for model in await self.models():
-            lists = queue_lists(queue_for(SETTINGS.queue, model))
-            read = await self.redis.eval(QUEUE_ORDER, len(lists), *lists, QUEUE_SCAN)
+            read = await self.redis.eval(*queue_order_call(queue_for(SETTINGS.queue, model), QUEUE_SCAN))
             ahead = 0
-            for length, ids in zip(read[::2], read[1::2]):
-                order.update({task_id.decode(): ahead + i + 1 for i, task_id in enumerate(ids) if task_id})
+            for _, length, ids in queue_order(read):
+                order.update({task_id: ahead + i + 1 for i, task_id in enumerate(ids) if task_id})
                 ahead += length
         return order
 

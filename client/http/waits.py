@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from replicadp_tasks.broker import QUEUE_ORDER
-from replicadp_tasks.contract import Priority, RequestState, keys, queue_for, queue_lists
+from replicadp_tasks.broker import queue_order, queue_order_call
+from replicadp_tasks.contract import Priority, RequestState, keys, queue_for
 from replicadp_tasks.settings import SETTINGS
 
 from ..ops.status import snapshot
@@ -168,9 +168,8 @@ async def plan(gw: Gateway, snap: dict, recent: Recent, model: str) -> Plan:
     drops it at once). Fluid otherwise: it ignores the round robin across users and tenants that may place a
     request sent later before one sent earlier."""
     serving = [r for r in snap["replicas"] if r["serving"] and r["model"] == model]
-    lists = queue_lists(queue_for(SETTINGS.queue, model))
-    read = await gw.redis.eval(QUEUE_ORDER, len(lists), *lists, PLAN_SCAN)
-    lengths, queued = read[::2], [[i.decode() for i in ids if i] for ids in read[1::2]]
+    levels = queue_order(await gw.redis.eval(*queue_order_call(queue_for(SETTINGS.queue, model), PLAN_SCAN)))
+    lengths, queued = [length for _, length, _ in levels], [[i for i in ids if i] for _, _, ids in levels]
     running = [r["request_id"] for r in serving if r["request_id"]]
     ids = [i for ids in queued for i in ids]
     records = {record["id"]: record for record, _ in await gw.job_records(running + ids)}

@@ -4,8 +4,8 @@ by its priority, tenant and user (transport.py, placement.py) and checks every m
 (message.py), and the result backend that writes a state in one round trip and keeps an answer across a failover
 (backend.py). celeryconfig.py names these classes."""
 
-from .placement import QUEUE_ORDER, next_request, waiting
+from .placement import next_request, queue_order, queue_order_call, waiting
 from .routing import ModelRouter, fleet
 from .transport import transport_for
 
-__all__ = ["QUEUE_ORDER", "ModelRouter", "fleet", "next_request", "transport_for", "waiting"]
+__all__ = ["ModelRouter", "fleet", "next_request", "queue_order", "queue_order_call", "transport_for", "waiting"]

@@ -77,9 +77,22 @@ def next_request(client, queue: str) -> tuple[dict[Priority, int], bytes | None]
     return dict(zip(Priority, replies[::2])), heads[0] if heads else None
 
 
+def queue_order_call(queue: str, first: int) -> tuple:
+    """The arguments of an EVAL of QUEUE_ORDER over `queue`'s lists, reading the first `first` messages of each:
+    `client.eval(*queue_order_call(...))`, with a client of either kind (the gateway's is async)."""
+    lists = queue_lists(queue)
+    return (QUEUE_ORDER, len(lists), *lists, first)
+
+
+def queue_order(reply) -> list[tuple[Priority, int, list[str]]]:
+    """QUEUE_ORDER's reply: per priority, in the order replicas take them, its list's length and the task ids of
+    its first messages, the next one first (an id is empty for a message that is not a request)."""
+    return [(level, length, [task_id.decode() for task_id in ids])
+            for level, length, ids in zip(Priority, reply[::2], reply[1::2])]
+
+
 def waiting(client, queue: str, first: int) -> list[tuple[Priority, str]]:
     """The task ids and priorities of the requests in `queue` that its replicas take next, in that order: the
     first `first` of each priority's list (an id is empty for a message that is not a request)."""
-    lists = queue_lists(queue)
-    read = client.eval(QUEUE_ORDER, len(lists), *lists, first)
-    return [(level, task_id.decode()) for level, ids in zip(Priority, read[1::2]) for task_id in ids]
+    return [(level, task_id) for level, _, ids in queue_order(client.eval(*queue_order_call(queue, first)))
+            for task_id in ids]
