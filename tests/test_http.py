@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from helpers import SYNTHETIC, lasting, model_queue, wait_for
 from hypothesis import HealthCheck, given, settings
 from PIL import Image
 
+from client.http.auth import LINK_S, LINK_STEP_S, KeyPolicy, signed_link
 from client.local.embedded import _free_port, die_with_parent, stop_pid
 from replicadp_tasks.cluster import connection
 from replicadp_tasks.contract import RequestState, queue_lists
@@ -565,6 +567,49 @@ def test_each_api_key_sees_only_its_own_jobs(redis_db):
             assert gw.client.delete(f"/v1/videos/{other}", headers=auth(key)).status_code == 404
         assert gw.client.delete(f"/v1/videos/{mine}", headers=auth(KEYS[0])).json()["deleted"] is True
         assert gw.client.get(f"/v1/videos/{theirs}", headers=auth(KEYS[1])).json()["status"] == "queued"
+
+
+def made_with(gw, key: str | None, request: dict) -> str:
+    """The id of a job made through `gw` with `key` (None: none), once it has completed."""
+    headers = auth(key) if key else {}
+    job_id = gw.client.post("/v1/videos", files=multipart(form_of(request)), headers=headers).json()["id"]
+    wait_for(lambda: gw.client.get(f"/v1/videos/{job_id}", headers=headers).json()["status"] == "completed",
+             f"job {job_id} to complete")
+    return job_id
+
+
+def test_a_signed_link_reads_its_videos_files_without_the_key_and_nothing_else(slow):
+    """Behind API keys, GET /links gives a completed job's MP4 and poster as links a `<video>` can read without a
+    header: the same bytes, in ranges, for about LINK_S. A link is refused (401) for another job's file, another
+    route, a changed or past expiry, or a key the gateway does not have; another key asking for the links gets
+    404, as for the job. Without keys, the links are the plain paths."""
+    with gateway(slow.redis_url, "links", "--api-key", KEYS[0], "--api-key", KEYS[1]) as gw:
+        mine, theirs = made_with(gw, KEYS[0], lasting(0.2, seed=1)), made_with(gw, KEYS[1], lasting(0.2, seed=2))
+        asked = time.time()
+        links = gw.client.get(f"/v1/videos/{mine}/links", headers=auth(KEYS[0])).json()
+        assert asked + LINK_S <= links["expires_at"] <= asked + LINK_S + LINK_STEP_S + 1, links
+        video = gw.client.get(f"/v1/videos/{mine}/content", headers=auth(KEYS[0])).content
+        assert gw.client.get(links["content"]).content == video
+        part = gw.client.get(links["content"], headers={"Range": "bytes=0-99"})
+        assert part.status_code == 206 and part.content == video[:100]
+        poster = gw.client.get(links["poster"])
+        assert poster.status_code == 200 and poster.headers["content-type"] == "image/jpeg"
+        path, expires = f"/v1/videos/{mine}/content", links["expires_at"]
+        expired, _ = signed_link(KeyPolicy(KEYS[0], "alice"), path, now=asked - LINK_S - LINK_STEP_S - 60)
+        for link, says in ((links["content"].replace(mine, theirs), "signature"),
+                           (links["content"].replace(f"/{mine}/content", f"/{mine}"), "missing"),
+                           (links["content"].replace(f"expires={expires}", f"expires={expires + LINK_STEP_S}"),
+                            "signature"),
+                           (expired, "expired"),
+                           (signed_link(KeyPolicy("key-not-configured", "eve"), path)[0], "signature")):
+            refused = gw.client.get(link)
+            assert refused.status_code == 401 and says in refused.json()["error"]["message"], (link, refused.text)
+        assert gw.client.delete(links["content"].replace("/content", "")).status_code == 401
+        assert gw.client.get(f"/v1/videos/{mine}/links", headers=auth(KEYS[1])).status_code == 404
+    keyless = made_with(slow, None, lasting(0.2, seed=3))
+    assert slow.client.get(f"/v1/videos/{keyless}/links").json() == {
+        "object": "video.links", "content": f"/v1/videos/{keyless}/content",
+        "poster": f"/v1/videos/{keyless}/poster", "expires_at": None}
 
 
 def test_a_bad_api_key_stops_the_gateway_from_starting(redis_db, tmp_path):

@@ -184,8 +184,10 @@ def phases(driver, job_id: str) -> list[str]:
 
 
 def resources(driver, suffix: str) -> list[dict]:
-    """The browser's resource timing entries of URLs ending in `suffix`: name, transferSize, encodedBodySize."""
-    return js(driver, "return performance.getEntriesByType('resource').filter(e => e.name.endsWith(arguments[0]))"
+    """The browser's resource timing entries of URLs whose path ends in `suffix` (a signed link's query aside):
+    name, transferSize, encodedBodySize."""
+    return js(driver, "return performance.getEntriesByType('resource')"
+                      ".filter(e => new URL(e.name).pathname.endsWith(arguments[0]))"
                       ".map(e => ({name: e.name, transferSize: e.transferSize, encodedBodySize: e.encodedBodySize}))",
               suffix)
 
@@ -198,11 +200,11 @@ def posters_shown(driver) -> int:
 
 def plays(driver, job_id: str, where: str = ".card[data-video-id=\"{}\"]") -> bool:
     """The poster of `job_id` (its gallery card's; `where`: another box of it) plays its video in place: fetched on
-    the click (with a key, into a blob: URL), decoded (readyState >= HAVE_CURRENT_DATA) and advancing."""
+    the click (with a key, through a link it signed), decoded (readyState >= HAVE_CURRENT_DATA) and advancing."""
     box = where.format(job_id)
     return js(driver, f"const v = document.querySelector('{box} video'); return !!v && v.readyState >= 2 && "
                       "v.videoWidth > 0 && v.currentTime > 0 && (!sessionStorage.getItem('replicadp.apiKey') || "
-                      "v.src.startsWith('blob:'))")
+                      "v.src.includes('signature='))")
 
 
 def in_view(driver, selector: str) -> bool:
@@ -487,9 +489,10 @@ def test_a_cancel_during_the_decode_says_cancelling_until_the_replica_stops(deco
 def test_the_bar_never_goes_back_over_a_long_decode_and_the_title_keeps_its_percent(decoding, browser):
     """A request whose decode after its last step (DECODE_S) is far longer than its steps: from queued to completed,
     its bar's value never decreases (the steps fill it at their pace, the decode goes on from there, never "busy"),
-    the tab's title keeps a percent through the decode, and the item says how long the phase has lasted. Completed,
-    the item shows the video's poster and plays it in place; after a reload (nothing fetched yet) it still says how
-    long the request took."""
+    the tab's title keeps a percent through the decode, and the item says how long the phase has lasted and, from
+    how long the decode took the request before it, how long it has left. Completed, the item shows the video's
+    poster and plays it in place; after a reload (nothing fetched yet) it still says how long the request took."""
+    send(decoding, lasting(0.25, prompt="decoded before"))  # the page's request waits for it, then knows its decode
     open_page(browser, decoding)
     fill_request(browser, lasting(0.5), "decoded at length")
     browser.find_element(By.ID, "submit").click()
@@ -501,12 +504,12 @@ def test_the_bar_never_goes_back_over_a_long_decode_and_the_title_keeps_its_perc
         new MutationObserver(() => window.__titles.push(document.title))
             .observe(document.querySelector('title'), {childList: true});""", job_id)
     wait_for(lambda: item(browser, job_id, "li.dataset.phase") == "decoding", "the decode")
-    decode = r"decoding the video on \S+ · [1-9]\d* s · \d+ s in all"
+    decode = r"decoding the video on \S+ · [1-9]\d* s · (about \d+ s left|finishing) · \d+ s in all"
     wait_for(lambda: re.fullmatch(decode, item(browser, job_id, "li.querySelector('.status').textContent")),
              "a second of decode")
     shot(browser, "decoding-desktop")
     wait_for(lambda: item(browser, job_id, "li.dataset.status") == "completed", "the request to complete",
-             timeout=DECODE_S + 30)
+             timeout=2 * DECODE_S + 30)
     bar, titles = js(browser, "return [window.__bar, window.__titles]")
     assert None not in bar and bar == sorted(bar) and bar[-1] == 100, bar
     decoded = [t for t in titles if "decoding" in t]
@@ -526,15 +529,51 @@ def test_the_bar_never_goes_back_over_a_long_decode_and_the_title_keeps_its_perc
 SEEK_BYTES = 200_000
 
 
+# A tiny-model video long enough that playing it before it has half of it is telling: its noise makes 121 frames at
+# 128x128 some hundreds of kB.
+LONG_VIDEO = {"width": 128, "height": 128, "num_frames": 121, "num_inference_steps": 2}
+
+
+def plays_before_it_has_all_of_it(driver, gw, job_id: str) -> list[str]:
+    """On a connection throttled to 20 kB/s (Chrome's network emulation), the video's page of `job_id` says the
+    video is loading, and plays it before it has half of it: the browser read the MP4's index at its end with a
+    range request (the gateway answered 206) rather than waiting for the whole file. The page's own files are in
+    the cache first (an unknown video's page), so that only the video is throttled. The query strings of the
+    range requests the gateway answered."""
+    driver.get(f"{gw.url}/ui/videos/not-a-job")  # returns once the page has loaded, its files with it
+    logged = len(open(gw.log_path).read())
+    try:
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 50,
+                                                                    "downloadThroughput": 20_000,
+                                                                    "uploadThroughput": 20_000})
+        driver.get(f"{gw.url}/ui/videos/{job_id}")
+        wait_for(lambda: driver.find_element(By.ID, "loading").text.startswith("Loading the video"),
+                 "the page to say the video is loading")
+        shot(driver, "video-loading-desktop")
+        js(driver, """const v = $('player'); v.muted = true; window.__at = null;
+            v.addEventListener('playing', () => {
+                const ranges = [...Array(v.buffered.length).keys()].map(i => [v.buffered.start(i), v.buffered.end(i)]);
+                window.__at = [ranges.reduce((n, [a, b]) => n + b - a, 0), v.duration]; },
+                               {once: true});
+            v.play().catch(() => {});""")
+        have, duration = wait_for(lambda: js(driver, "return window.__at"), "the video to play", timeout=60)
+        assert have < duration / 2, f"it played only once it had most of it ({have} of {duration} s)"
+        asked = re.findall(rf'GET /v1/videos/{job_id}/content(\S*) HTTP/1.1" 206', open(gw.log_path).read()[logged:])
+        assert asked, "no range asked for"
+        return asked
+    finally:
+        driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
+                                                                    "downloadThroughput": -1, "uploadThroughput": -1})
+        driver.execute_cdp_cmd("Network.disable", {})
+
+
 def test_a_videos_mp4_is_served_in_ranges_and_its_page_plays_it_before_it_has_all_of_it(live, browser):
     """GET /content with `Range: bytes=...` answers 206 with exactly those bytes and their Content-Range (a first
     part, a last part, an open end), 416 past the end, the whole file for a stale If-Range; every answer says
-    Accept-Ranges. On a connection throttled to 20 kB/s (Chrome's network emulation), a video's page says the
-    video is loading, and plays it before it has all of it: the browser reads the MP4's index at its end with a
-    range request (the gateway answered 206) rather than waiting for the whole file (a tiny-model video of 121
-    frames: its noise makes it some hundreds of kB)."""
-    job_id = send(live, {"prompt": "read in ranges", "width": 128, "height": 128, "num_frames": 121,
-                         "num_inference_steps": 2})
+    Accept-Ranges. A video's page plays it on a throttled connection before it has all of it
+    (plays_before_it_has_all_of_it)."""
+    job_id = send(live, {"prompt": "read in ranges", **LONG_VIDEO})
     job = completed(live, job_id)
     whole = live.client.get(f"/v1/videos/{job_id}/content")
     size, url = len(whole.content), f"/v1/videos/{job_id}/content"
@@ -549,32 +588,22 @@ def test_a_videos_mp4_is_served_in_ranges_and_its_page_plays_it_before_it_has_al
     assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{size}"
     stale = live.client.get(url, headers={"Range": "bytes=0-9", "If-Range": '"another"'})
     assert stale.status_code == 200 and stale.content == whole.content
-    other = send(live, {**{k: v for k, v in SMALL.items() if k != "size"}, "width": 64, "height": 64})
-    completed(live, other)
-    open_page(browser, live, f"/ui/videos/{other}")  # the page's own files in the cache, before the throttle
-    logged = len(open(live.log_path).read())
-    try:
-        browser.execute_cdp_cmd("Network.enable", {})
-        browser.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 50,
-                                                                     "downloadThroughput": 20_000,
-                                                                     "uploadThroughput": 20_000})
-        browser.get(f"{live.url}/ui/videos/{job_id}")
-        wait_for(lambda: browser.find_element(By.ID, "loading").text.startswith("Loading the video"),
-                 "the page to say the video is loading")
-        shot(browser, "video-loading-desktop")
-        js(browser, """const v = $('player'); v.muted = true; window.__at = null;
-            v.addEventListener('playing', () => {
-                const ranges = [...Array(v.buffered.length).keys()].map(i => [v.buffered.start(i), v.buffered.end(i)]);
-                window.__at = [ranges.reduce((n, [a, b]) => n + b - a, 0), v.duration]; },
-                               {once: true});
-            v.play().catch(() => {});""")
-        have, duration = wait_for(lambda: js(browser, "return window.__at"), "the video to play", timeout=60)
-        assert have < duration / 2, f"it played only once it had most of it ({have} of {duration} s)"
-        assert f'GET {url} HTTP/1.1" 206' in open(live.log_path).read()[logged:], "no range asked for"
-    finally:
-        browser.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": False, "latency": 0,
-                                                                     "downloadThroughput": -1, "uploadThroughput": -1})
-        browser.execute_cdp_cmd("Network.disable", {})
+    open_page(browser, live, "/ui")
+    assert set(plays_before_it_has_all_of_it(browser, live, job_id)) == {""}  # its plain URL: no query
+
+
+def test_behind_an_api_key_a_videos_page_plays_it_before_it_has_all_of_it(live, browser):
+    """Behind API keys (a `<video>` cannot send one), a video's page reads its MP4 through a link its key signed
+    (GET /links) and so plays it as it comes, in ranges, on a throttled connection, as without keys; the link
+    also serves the Download button."""
+    with gateway(live.redis_url, "ui-keyed-play", "--api-key", KEY) as keyed:
+        job_id = send(keyed, {"prompt": "read in ranges with a key", **LONG_VIDEO}, key=KEY)
+        completed(keyed, job_id, key=KEY)
+        open_page(browser, keyed, "/ui")
+        js(browser, "sessionStorage.setItem('replicadp.apiKey', arguments[0])", KEY)
+        asked = plays_before_it_has_all_of_it(browser, keyed, job_id)
+        assert all(a.startswith("?expires=") and "&signature=" in a for a in asked), asked
+        assert "signature=" in browser.find_element(By.ID, "download").get_attribute("href")
 
 
 def test_a_gallery_load_fetches_small_posters_and_no_mp4_and_a_second_load_takes_them_from_the_cache(slow):
@@ -608,7 +637,9 @@ def test_a_gallery_load_fetches_small_posters_and_no_mp4_and_a_second_load_takes
             assert len(again) == 12 and all(p["transferSize"] == 0 for p in again), again
             driver.find_element(By.CSS_SELECTOR, f'.card[data-video-id="{ids[-1]}"] .thumb').click()
             wait_for(lambda: plays(driver, ids[-1]), "the newest video to play")
-            assert [r["name"] for r in resources(driver, "/content")] == [f"{gw.url}/v1/videos/{ids[-1]}/content"]
+            played = [r["name"] for r in resources(driver, "/content")]
+            assert [n.split("?")[0] for n in played] == [f"{gw.url}/v1/videos/{ids[-1]}/content"], played
+            assert "&signature=" in played[0], played
 
 
 FOX = "a red fox trotting through fresh snow at dawn"  # the page's first example prompt

@@ -2,20 +2,33 @@
 --api-key` does; `/health`, the OpenAPI schema and the web page's files (`/ui`: it asks for the key and sends it
 to /v1) stay open. Each key belongs to a tenant (its `name`, or a tenant of its own), which owns the jobs made
 with it, its fairness lane and its webhook secret; a key may ask for priorities up to its `max_priority`.
+
+A video's MP4 and poster may also be read through a signed link (`GET /v1/videos/{id}/links`): the path with
+`expires` and `signature` (an HMAC of both under the key that asked), which a `<video>` element can use where it
+cannot send a header. A link is good for that one file until it expires, and no longer than its key is configured.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import parse_qs, quote
 
 from replicadp_tasks.contract import TENANT_RE, Priority
 
 from .errors import ErrorCode, error_response
 
 PROTECTED = "/v1"  # the API; /health (load balancers, compose healthchecks), /docs and /ui stay open
+SIGNED = re.compile(r"/v1/videos/[^/]+/(content|poster)")  # the files a signed link may read
+LINK_S = 3600  # a signed link's life: a page open for an hour still plays and seeks its video
+# A link's expiry is rounded up to this, so one page's links are the same URL for its span and the browser's
+# cache, keyed by URL, serves a file again: a link lives LINK_S to LINK_S + LINK_STEP_S.
+LINK_STEP_S = 600
 
 
 class ApiKeyError(ValueError):
@@ -81,6 +94,19 @@ def read_keys(keys: tuple[str, ...], files: tuple[Path, ...]) -> list[KeyPolicy]
     return list(policies.values())
 
 
+def signature(key: str, path: str, expires: int) -> str:
+    """The HMAC-SHA256 of a link to `path` until `expires` (unix seconds) under `key`, in hex."""
+    message = f"replicadp-link\n{path}\n{expires}".encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def signed_link(policy: KeyPolicy, path: str, now: float | None = None) -> tuple[str, int]:
+    """A link to `path` (a video's /content or /poster, unquoted) that reads it without a header, and when it
+    expires."""
+    expires = math.ceil(((now or time.time()) + LINK_S) / LINK_STEP_S) * LINK_STEP_S
+    return f"{quote(path)}?expires={expires}&signature={signature(policy.key, path, expires)}", expires
+
+
 def owner_of(key: str) -> str:
     """The tenant id of a key without a name: a digest, so that Redis never holds a key."""
     return hashlib.sha256(b"replicadp-api-key:" + key.encode()).hexdigest()[:24]
@@ -88,8 +114,9 @@ def owner_of(key: str) -> str:
 
 class ApiKeys:
     """ASGI middleware: answer 401 (OpenAI's error object, `WWW-Authenticate: Bearer`) to a `/v1` request without
-    a configured key; let the others through with `request.state.policy` set to their key's KeyPolicy. Compared
-    in constant time: the presented token is hashed, and its digest compared with every key's."""
+    a configured key or a good signed link; let the others through with `request.state.policy` set to their key's
+    KeyPolicy. Compared in constant time: the presented token is hashed, and its digest compared with every key's;
+    a link's signature is compared with the one every key makes."""
 
     def __init__(self, app, keys: list[KeyPolicy]):
         self.app = app
@@ -102,15 +129,38 @@ class ApiKeys:
                 found = policy
         return found
 
+    def signer(self, scope) -> tuple[KeyPolicy | None, str]:
+        """The policy whose key signed the link a GET of a video's file came with, or None and why not."""
+        query = parse_qs(scope["query_string"].decode("latin-1"))
+        expires, given = query.get("expires", [""])[0], query.get("signature", [""])[0]
+        if not expires.isdigit():
+            return None, f"expires={expires[:32]!r}: a signed link's expiry, unix seconds"
+        found = None
+        for _, policy in self.keys:  # no early exit, as for a key
+            if hmac.compare_digest(given.encode(), signature(policy.key, scope["path"], int(expires)).encode()):
+                found = policy
+        if found is None:
+            return None, "signature: not a link this gateway's keys signed (or its key was removed)"
+        if int(expires) < time.time():
+            return None, f"expires={expires}: the link has expired; GET /v1/videos/{{id}}/links makes a new one"
+        return found, ""
+
+    def caller(self, scope) -> tuple[KeyPolicy | None, str]:
+        """The policy of the key a /v1 request came with (its header, or a signed link), or None and why not."""
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme:
+            policy = self.policy(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+            return policy, "Authorization: invalid API key"
+        if scope["method"] == "GET" and SIGNED.fullmatch(scope["path"]) and b"signature=" in scope["query_string"]:
+            return self.signer(scope)
+        return None, "Authorization: missing; send the header `Authorization: Bearer <API key>`"
+
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         if scope["type"] != "http" or not (path == PROTECTED or path.startswith(PROTECTED + "/")):
             return await self.app(scope, receive, send)
-        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        policy = self.policy(token.strip()) if scheme.lower() == b"bearer" and token.strip() else None
+        policy, message = self.caller(scope)
         if policy is None:
-            message = ("Authorization: invalid API key" if scheme else
-                       "Authorization: missing; send the header `Authorization: Bearer <API key>`")
             return await error_response(401, message, ErrorCode.INVALID_API_KEY,
                                         headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         scope.setdefault("state", {})["policy"] = policy

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -13,12 +14,13 @@ from replicadp_tasks.contract import Quality, RequestState
 
 from ..api import cancel_request, fetch_video, remove_video
 from ..ops.status import fast_path, recipe_of
-from .auth import KeyPolicy
+from .auth import KeyPolicy, signed_link
 from .errors import ErrorCode, GatewayError, failure
 from .form import VideoForm, video_form
 from .gateway import Gateway
 from .jobs import job_view, video_response
-from .schema import ERRORS, Health, JobOrder, ModelCard, ModelList, ModelReplica, VideoDeleted, VideoJob, VideoList
+from .schema import (ERRORS, Health, JobOrder, ModelCard, ModelList, ModelReplica, VideoDeleted, VideoJob, VideoLinks,
+                     VideoList)
 from .waits import plans
 
 router = APIRouter()
@@ -163,6 +165,18 @@ async def get_video_poster(video_id: str, gw: GatewayDep, who: OwnerDep):
     result = (await completed(gw, video_id, who))["result"]
     return Response(await gw.poster(video_id, result, POSTER_PX), media_type="image/jpeg",
                     headers={"Cache-Control": KEEP, "ETag": f'"{result["video_sha256"]}-poster"'})
+
+
+@router.get("/v1/videos/{video_id}/links", response_model=VideoLinks, responses=ERRORS)
+async def get_video_links(video_id: str, gw: GatewayDep, key: PolicyDep):
+    """Links to a completed job's MP4 and poster that a browser's `<video>` and `<img>` read without sending the
+    key: signed by the key that asks, for that job's files, for an hour (auth.LINK_S); 409 as `/content`."""
+    await completed(gw, video_id, key and key.owner)
+    paths = [f"/v1/videos/{video_id}/{name}" for name in ("content", "poster")]
+    if key is None:
+        return VideoLinks(content=quote(paths[0]), poster=quote(paths[1]), expires_at=None)
+    (content, expires), (poster, _) = (signed_link(key, path) for path in paths)
+    return VideoLinks(content=content, poster=poster, expires_at=expires)
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)

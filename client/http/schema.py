@@ -76,6 +76,15 @@ class VideoDeleted(BaseModel):
     deleted: bool
 
 
+class VideoLinks(BaseModel):
+    """Where a `<video>` or `<img>` reads a completed job's files: with API keys, links signed by the key that
+    asked, good without a header until `expires_at` (unix seconds); without keys, their plain paths (None)."""
+    object: Literal["video.links"] = "video.links"
+    content: str
+    poster: str
+    expires_at: int | None
+
+
 class ModelReplica(BaseModel):
     name: str
     qualities: list[str]  # what a request's `quality` may be on it

@@ -78,38 +78,29 @@ function announce(text) {
   $("announce").textContent = text;
 }
 
-// A file of the API (a poster, an MP4) as a blob: URL, fetched once per page with the key (an <img> or <video>
-// cannot send it); the browser's HTTP cache keeps the bytes across pages (Cache-Control: immutable).
-// `onProgress(bytes, total)` is told as the bytes come (a video's page shows its download).
-function blobUrl(path, onProgress) {
+// A poster of the API as a blob: URL, fetched once per page with the key (an <img> cannot send it); the browser's
+// HTTP cache keeps the bytes across pages (Cache-Control: immutable).
+function blobUrl(path) {
   if (!state.blobs.has(path)) {
-    const url = api(path).then((r) => readBlob(r, onProgress)).then((b) => URL.createObjectURL(b));
+    const url = api(path).then((r) => r.blob()).then((b) => URL.createObjectURL(b));
     url.catch(() => state.blobs.delete(path));
     state.blobs.set(path, url);
   }
   return state.blobs.get(path);
 }
 
-async function readBlob(res, onProgress) {
-  if (!onProgress || !res.body) return res.blob();
-  const total = Number(res.headers.get("content-length")) || 0;
-  const reader = res.body.getReader();
-  const parts = [];
-  let got = 0;
-  for (;;) {
-    const {done, value} = await reader.read();
-    if (done) break;
-    parts.push(value);
-    got += value.length;
-    onProgress(got, total);
-  }
-  return new Blob(parts, {type: res.headers.get("content-type") || ""});
+// Where an <img> reads a poster: without a key, its URL; with one, a blob: URL fetched with it.
+function posterUrl(job) {
+  const path = `${jobPath(job.id)}/poster`;
+  return usesKey() ? blobUrl(path) : Promise.resolve(path);
 }
 
-// Where an <img> or <video> reads a file of the API: without a key, the URL itself (the browser streams an MP4
-// with range requests and plays it as it comes); with one, a blob: URL fetched with it.
-function mediaUrl(path, onProgress) {
-  return usesKey() ? blobUrl(path, onProgress) : Promise.resolve(path);
+// Where a <video> reads a job's MP4: without a key, its URL; with one (a <video> cannot send it), a link the key
+// signed (GET /v1/videos/<id>/links). Either way the browser streams it with range requests and plays it as it
+// comes, rather than waiting for the whole file.
+function videoUrl(job) {
+  return usesKey() ? json(`${jobPath(job.id)}/links`).then((links) => links.content)
+    : Promise.resolve(`${jobPath(job.id)}/content`);
 }
 
 function el(tag, props = {}, ...children) {
@@ -167,7 +158,7 @@ function thumb(job, onError) {
   const label = (verb) => box.setAttribute("aria-label", `${verb} "${short(job.prompt, 60)}"`);
   label("Play");
   box.addEventListener("click", () => playIn(box, job, label).catch((err) => onError(err.message)));
-  mediaUrl(`${jobPath(job.id)}/poster`).then((url) => { img.src = url; }, () => img.remove());
+  posterUrl(job).then((url) => { img.src = url; }, () => img.remove());
   return box;
 }
 
@@ -177,7 +168,7 @@ async function playIn(box, job, label) {
     box.setAttribute("aria-busy", "true");
     let src;
     try {
-      src = await mediaUrl(`${jobPath(job.id)}/content`);
+      src = await videoUrl(job);
     } finally {
       box.removeAttribute("aria-busy");
     }

@@ -536,7 +536,7 @@ function renderExamples() {
     const made = [...ui.gallery.values()].find((j) => j.prompt === chip.dataset.prompt);
     if (!made) continue;
     const img = el("img", {alt: "", decoding: "async"});
-    mediaUrl(`${jobPath(made.id)}/poster`).then((url) => { img.src = url; chip.prepend(img); }, () => {});
+    posterUrl(made).then((url) => { img.src = url; chip.prepend(img); }, () => {});
   }
 }
 

@@ -75,7 +75,7 @@ function show(job) {
   player.style.setProperty("--ratio", w / h);
   player.setAttribute("aria-label", `Video: ${short(job.prompt, 80)}`);
   player.hidden = $("actions").hidden = $("details").hidden = false;
-  mediaUrl(`${jobPath(job.id)}/poster`).then((url) => { player.poster = url; $("first-frame").src = url; },
+  posterUrl(job).then((url) => { player.poster = url; $("first-frame").src = url; },
     () => { $("first-frame").hidden = true; });
   load(player, job);
   metaInto($("inputs"), [["Prompt", job.prompt], ["Negative prompt", p.negative_prompt || "(none)"],
@@ -105,33 +105,25 @@ function show(job) {
   renderRelated();
 }
 
-// The MP4 into the player, saying how far it has come: without a key the browser streams it (range requests)
-// and plays before it has all of it; with one it is fetched whole, with the key, and its bytes counted.
+// The MP4 into the player, saying how far it has come: the browser streams it (range requests; behind a key through
+// a signed link) and plays before it has all of it.
 function load(player, job) {
   const loading = $("loading");
   const download = $("download");
   download.download = fileName(job);
   const say = (text) => { loading.textContent = text; loading.hidden = !text; };
   say("Loading the video…");
-  const ready = (url) => {
+  player.addEventListener("progress", () => {
+    const have = player.buffered.length ? player.buffered.end(player.buffered.length - 1) : 0;
+    if (!player.duration) return;
+    say(have < player.duration ? `Loading the video: ${Math.round(100 * have / player.duration)}%` : "");
+  });
+  player.addEventListener("canplay", () => { if (loading.textContent === "Loading the video…") say(""); });
+  videoUrl(job).then((url) => {
     player.src = url;
     download.href = url;
     download.removeAttribute("aria-disabled");
-  };
-  if (!usesKey()) {
-    player.addEventListener("progress", () => {
-      const have = player.buffered.length ? player.buffered.end(player.buffered.length - 1) : 0;
-      if (!player.duration) return;
-      say(have < player.duration ? `Loading the video: ${Math.round(100 * have / player.duration)}%` : "");
-    });
-    player.addEventListener("canplay", () => { if (loading.textContent === "Loading the video…") say(""); });
-    ready(`${jobPath(job.id)}/content`);
-    return;
-  }
-  const counted = (got, total) => say(`Loading the video: ${total ? `${Math.round(100 * got / total)}% of ` : ""}` +
-    `${(total || got) >= 1e6 ? `${((total || got) / 1e6).toFixed(1)} MB` : `${Math.round((total || got) / 1e3)} kB`}`);
-  blobUrl(`${jobPath(job.id)}/content`, counted).then((url) => { say(""); ready(url); },
-    (err) => { say(""); $("note").textContent = `The video could not be loaded: ${err.message}`; });
+  }, (err) => { say(""); $("note").textContent = `The video could not be loaded: ${err.message}`; });
 }
 
 // A preview and its final link to each other (this browser's list says which is which); a finished preview of a
