@@ -55,15 +55,14 @@ def run_check(tmp_path: Path, **overrides: str) -> tuple[subprocess.CompletedPro
 
 
 def test_gpu_check_rehearses_on_the_cpu(tmp_path):
-    """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v) the check runs end to end: the kernels step (each
-    attention backend, then compiled blocks), the embedded server, one replica recording the baseline, one
-    without deterministic kernels (its cost printed), two replicas checked against the baseline, the step caches,
-    the memory options on the two-expert stand-in, few-step serving against the exact model, the summary. It
-    exits 0, the replicas use the fastest backend the kernels step found, its reports hold the figures the GPU run
-    prints (latency, videos/min, peak memory per replica, isolation, each step cache against the exact path, each
-    memory option's request time with frames equal to none's, each path's seconds per video and FLOPs), and it
-    stops what it started."""
-    run, out = run_check(tmp_path)
+    """Without a GPU (DEVICE=cpu, random:tiny-wan2.2-ti2v), the check's first command on a device
+    (MEMORY_REQUESTS=0 FEWSTEP_REQUESTS=0) runs end to end: the kernels step (each attention backend, then compiled
+    blocks), the embedded server, one replica recording the baseline, one without deterministic kernels (its cost
+    printed), two replicas checked against the baseline, the step caches, the summary. It exits 0, the replicas use
+    the fastest backend the kernels step found, its reports hold the figures the GPU run prints (latency,
+    videos/min, peak memory per replica, isolation, each step cache against the exact path), and it stops what it
+    started. The second command's steps are rehearsed by test_gpu_check_runs_the_memory_and_few_step_steps_alone."""
+    run, out = run_check(tmp_path, MEMORY_REQUESTS="0", FEWSTEP_REQUESTS="0")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     kernels = json.loads((out / "kernels.json").read_text())
     ran = {r["variant"].split("=", 1)[1] for r in kernels["rows"] if r["seconds_per_pass"]}
@@ -86,6 +85,41 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     assert caches["model"] == "random:tiny-wan2.2-ti2v" and len(caches["mag_ratios"]) == 2
     assert all(r["request_s"] > 0 and 0 <= r["blocks_skipped"] < 1 for r in caches["rows"])
     assert "step caches: random:tiny-wan2.2-ti2v on cpu" in run.stdout
+    assert not (out / "memory.json").exists() and not (out / "fewstep.json").exists()
+    assert started_by_the_script(out) == [] and left_behind(run) == []
+
+
+def test_gpu_check_goes_on_when_the_kernels_step_is_cut_short(tmp_path):
+    """A kernels step past KERNELS_TIMEOUT (1 s here: it is killed while importing torch) costs the check only
+    its kernel figures: it says so, the replicas run on the default attention backend and pass the isolation
+    check, and the exit status is 1 (something was not measured). FAST_REQUESTS=0, CACHE_REQUESTS=0,
+    MEMORY_REQUESTS=0 and FEWSTEP_REQUESTS=0 skip the nondeterministic run, the step caches, the memory options and
+    the few-step step (rehearsed by the tests beside it)."""
+    run, out = run_check(tmp_path, KERNELS_TIMEOUT="1", REQUESTS="2", FAST_REQUESTS="0", CACHE_REQUESTS="0",
+                         MEMORY_REQUESTS="0", FEWSTEP_REQUESTS="0")
+    assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
+    assert not (out / "fast.json").exists() and not (out / "step-cache.json").exists()
+    assert not (out / "memory.json").exists() and "memory options" not in run.stdout
+    assert not (out / "fewstep.json").exists() and "few-step" not in run.stdout
+    assert "gpu_check [" in run.stdout and "deterministic kernels off" not in run.stdout
+    assert "fast: no report" in run.stdout
+    assert "the kernels step failed or ran past 1 s" in run.stderr
+    assert "replicas: REPLICADP_ATTENTION=native (default) " in run.stdout
+    two = json.loads((out / "two.json").read_text())
+    assert two["completed"] == 2 and two["isolation"]["passed"]
+    assert "PASS (2 matched, 0 mismatched)" in run.stdout
+    assert started_by_the_script(out) == [] and left_behind(run) == []
+
+
+def test_gpu_check_runs_the_memory_and_few_step_steps_alone(tmp_path):
+    """ONLY_MEMORY=1, the check's second command on a device (its 10 minutes a command hold either half, not
+    both): the memory step alone, every option on the two-expert stand-in with frames equal to none's, few-step
+    serving against the exact model (each path's seconds per video and FLOPs), then the summary; no kernels step, no
+    replica, no serving table. It exits 0 and stops what it started."""
+    run, out = run_check(tmp_path, ONLY_MEMORY="1")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["fewstep.json", "memory.json"]
+    assert "gpu_check [" in run.stdout and "kernels" not in run.stdout and "no report" not in run.stdout
     mem = json.loads((out / "memory.json").read_text())
     assert mem["model"] == "random:tiny-wan2.2-t2v-a14b" and mem["requests"] == 1
     assert [r["option"] for r in mem["rows"]] == ["none", "expert", "model", "group"]
@@ -105,41 +139,4 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     assert re.search(r"few-step \(random:tiny-wan2\.2-ti2v, 64x64x5\): [0-9.]+ s/video exact \(2 steps, guidance 5\) "
                      r"vs [0-9.]+ few-step \(4 steps, guidance 1\): [0-9.]+x; DiT MFU [0-9.]+% vs [0-9.]+%; "
                      r"DiT FLOPs 1\.0x fewer", run.stdout)
-    assert started_by_the_script(out) == [] and left_behind(run) == []
-
-
-def test_gpu_check_goes_on_when_the_kernels_step_is_cut_short(tmp_path):
-    """A kernels step past KERNELS_TIMEOUT (1 s here: it is killed while importing torch) costs the check only
-    its kernel figures: it says so, the replicas run on the default attention backend and pass the isolation
-    check, and the exit status is 1 (something was not measured). FAST_REQUESTS=0, CACHE_REQUESTS=0,
-    MEMORY_REQUESTS=0 and FEWSTEP_REQUESTS=0 skip the nondeterministic run, the step caches, the memory options and
-    the few-step step (measured by the test above)."""
-    run, out = run_check(tmp_path, KERNELS_TIMEOUT="1", REQUESTS="2", FAST_REQUESTS="0", CACHE_REQUESTS="0",
-                         MEMORY_REQUESTS="0", FEWSTEP_REQUESTS="0")
-    assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
-    assert not (out / "fast.json").exists() and not (out / "step-cache.json").exists()
-    assert not (out / "memory.json").exists() and "memory options" not in run.stdout
-    assert not (out / "fewstep.json").exists() and "few-step" not in run.stdout
-    assert "gpu_check [" in run.stdout and "deterministic kernels off" not in run.stdout
-    assert "fast: no report" in run.stdout
-    assert "the kernels step failed or ran past 1 s" in run.stderr
-    assert "replicas: REPLICADP_ATTENTION=native (default) " in run.stdout
-    two = json.loads((out / "two.json").read_text())
-    assert two["completed"] == 2 and two["isolation"]["passed"]
-    assert "PASS (2 matched, 0 mismatched)" in run.stdout
-    assert started_by_the_script(out) == [] and left_behind(run) == []
-
-
-def test_gpu_check_runs_the_memory_step_alone(tmp_path):
-    """ONLY_MEMORY=1, the check's second command on a device (its 10 minutes a command hold either half, not
-    both): the memory step alone, every option on the two-expert stand-in with frames equal to none's, then its
-    summary; no kernels step, no replica, no serving table. It exits 0 and stops what it started. The few-step
-    step, also part of that command, is skipped here (FEWSTEP_REQUESTS=0): the first test runs it."""
-    run, out = run_check(tmp_path, ONLY_MEMORY="1", FEWSTEP_REQUESTS="0")
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert sorted(p.name for p in out.iterdir()) == ["memory.json"]
-    mem = json.loads((out / "memory.json").read_text())
-    assert [(r["option"], r["same_as_none"]) for r in mem["rows"]] == [(o, 1) for o in ("none", "expert", "model", "group")]
-    assert "gpu_check [" in run.stdout and "kernels" not in run.stdout and "no report" not in run.stdout
-    assert re.search(r"expert +p50 request [0-9.]+ s, peak [0-9.]+ GiB, same frames as none: 1/1", run.stdout)
     assert started_by_the_script(out) == [] and left_behind(run) == []

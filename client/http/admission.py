@@ -2,9 +2,9 @@
 
 A request is admitted while its model's queue (LLEN of every priority's list) plus the requests admitted for it and
 not yet pushed onto it (a sorted set of reservations, any gateway's) is under the limit; its reservation counts it
-until its send has pushed it. One Lua script checks and reserves, atomically across gateways: nothing waits for a lock, and the
-one cost is counting a request twice between its push and its release (at worst a 429 a moment early, never
-a queue over the limit). docs/http.md, "Backpressure".
+until its send has pushed it. One Lua script checks and reserves, atomically across gateways: nothing waits for a
+lock, and the one cost is counting a request twice between its push and its release (at worst a 429 a moment early,
+never a queue over the limit). docs/http.md, "Backpressure".
 """
 
 from __future__ import annotations

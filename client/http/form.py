@@ -74,7 +74,8 @@ async def video_form(
     priority: Annotated[str | None, Form(description="interactive, normal (default) or batch: a replica takes "
                                                      "the highest priority waiting.")] = None,
     quality: Annotated[str | None, Form(description="standard (default): the exact path; fast: the deployment's "
-                                                   "step cache, where it has one (a slightly different video).")] = None,
+                                                   "step cache, where it has one (a slightly different "
+                                                   "video).")] = None,
     webhook_url: Annotated[str | None, Form(description="An http(s) URL that is POSTed the job's events, signed "
                                                         "(docs/http.md, Webhooks).")] = None,
     webhook_events: Annotated[str | None, Form(description="Comma-separated: started, progress, completed, "

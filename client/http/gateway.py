@@ -45,8 +45,8 @@ REDIS_RETRIES = 1
 # And an idle connection is PINGed before use when it has been idle this long (s), which replaces a dead one first.
 REDIS_HEALTH_CHECK_S = 5
 # Where queued jobs wait: each list of the queue read once a second per gateway (the first QUEUE_SCAN messages of
-# each: docs/http.md, `queue_position`, says what a read costs), whatever the number of jobs and pages polling; past that,
-# a job has no position. A job queued since the last read has none until the next.
+# each: docs/http.md, `queue_position`, says what a read costs), whatever the number of jobs and pages polling; past
+# that, a job has no position. A job queued since the last read has none until the next.
 QUEUE_SCAN = 2000
 QUEUE_ORDER_CACHE_S = 1.0
 CANCEL_WATCH_POLL_S = 0.5  # how often a request deleted as it ran is checked until it ends (watch_cancelled)

@@ -361,7 +361,8 @@ function inRunOrder(entries) {
 // Items are updated in place, never rebuilt: a focused Cancel button keeps its focus across polls.
 function renderList(ul, entries) {
   const items = new Map([...ul.children].map((li) => [li.dataset.id, li]));
-  const wanted = entries.map((entry) => fillItem(items.get(entry.id) || newItem(entry), entry, state.jobs.get(entry.id)));
+  const wanted = entries.map((entry) =>
+    fillItem(items.get(entry.id) || newItem(entry), entry, state.jobs.get(entry.id)));
   wanted.forEach((li, i) => { if (ul.children[i] !== li) ul.insertBefore(li, ul.children[i] || null); });
   for (const li of items.values()) if (!wanted.includes(li)) li.remove();
 }
@@ -404,9 +405,12 @@ function fillItem(li, entry, job) {
   actions.dataset.key = key;
   const what = short(entry.prompt, 40);
   actions.replaceChildren();
-  if (live && phase !== "cancelling") actions.append(button("Cancel", () => cancel(entry), `Cancel "${what}"`, "cancel"));
+  if (live && phase !== "cancelling") {
+    actions.append(button("Cancel", () => cancel(entry), `Cancel "${what}"`, "cancel"));
+  }
   if (phase === "completed") {
-    const view = el("a", {className: "button view", href: `/ui/videos/${encodeURIComponent(entry.id)}`, textContent: "View"});
+    const view = el("a", {className: "button view", href: `/ui/videos/${encodeURIComponent(entry.id)}`,
+      textContent: "View"});
     view.setAttribute("aria-label", `View "${what}"`);
     actions.append(view);
     if (final && !entry.final) {
@@ -498,8 +502,13 @@ function summary(job) {
 
 // Completed requests from an earlier visit whose job a re-run is compared with: their job, once.
 async function fillCompared(entries) {
-  await Promise.all(entries.filter((e) => e.compareTo && e.state === "completed" && !state.jobs.has(e.id)).map(async (e) => {
-    try { state.jobs.set(e.id, await json(jobPath(e.id))); } catch (err) { if (err.status === 404) update(e.id, {state: "gone"}); }
+  const unread = entries.filter((e) => e.compareTo && e.state === "completed" && !state.jobs.has(e.id));
+  await Promise.all(unread.map(async (e) => {
+    try {
+      state.jobs.set(e.id, await json(jobPath(e.id)));
+    } catch (err) {
+      if (err.status === 404) update(e.id, {state: "gone"});
+    }
   }));
 }
 
@@ -521,6 +530,7 @@ function markFresh(ok, sections, note) {
   for (const s of sections) s.classList.toggle("stale", stale);
   if (note) {
     note.hidden = !stale;
-    note.textContent = stale ? `Last updated ${dur((Date.now() - state.okAt) / 1000)} ago: the gateway does not answer.` : "";
+    note.textContent = stale
+      ? `Last updated ${dur((Date.now() - state.okAt) / 1000)} ago: the gateway does not answer.` : "";
   }
 }

@@ -128,7 +128,8 @@ function check(field) {
     case "loras": {
       if ($("loras-field").hidden) return "";
       const bad = parseLoras(text).find((l) => !l.name || typeof l.scale === "string");
-      return bad ? `LoRA adapters: "${bad.name}${bad.scale !== undefined ? `:${bad.scale}` : ""}" is not NAME or NAME:SCALE` : "";
+      if (!bad) return "";
+      return `LoRA adapters: "${bad.name}${bad.scale !== undefined ? `:${bad.scale}` : ""}" is not NAME or NAME:SCALE`;
     }
     default: return "";
   }
@@ -196,7 +197,9 @@ function formData() {
   if (text("f-negative_prompt")) data.append("negative_prompt", $("f-negative_prompt").value);
   data.append("size", sizeText().toLowerCase().replace("×", "x").replace(/\s/g, ""));
   data.append($("f-length-unit").value, text("f-length"));
-  for (const name of ["num_inference_steps", "guidance_scale", "seed", "priority"]) data.append(name, text(`f-${name}`));
+  for (const name of ["num_inference_steps", "guidance_scale", "seed", "priority"]) {
+    data.append(name, text(`f-${name}`));
+  }
   if (!$("quality-field").hidden) data.append("quality", $("f-quality").value);
   if (!$("loras-field").hidden && text("f-loras")) data.append("loras", JSON.stringify(parseLoras(text("f-loras"))));
   const image = $("f-input_reference");
@@ -318,7 +321,9 @@ async function prefillFrom(id) {
   if ([...$("f-model").options].some((o) => o.value === job.model)) $("f-model").value = job.model;
   for (const field of Object.keys(LABEL)) ui.touched.add(field);
   applyDefaults();
-  if (p.image_sha256) $("form-error").textContent = "This video started from an uploaded first frame: choose the image again.";
+  if (p.image_sha256) {
+    $("form-error").textContent = "This video started from an uploaded first frame: choose the image again.";
+  }
   renderCost();
 }
 
@@ -479,7 +484,8 @@ function renderAbout() {
 function card(job) {
   const li = el("li", {className: "card"});
   const hint = el("p", {className: "hint"});
-  const link = el("a", {className: "prompt", href: `/ui/videos/${encodeURIComponent(job.id)}`, textContent: job.prompt});
+  const link = el("a", {className: "prompt", href: `/ui/videos/${encodeURIComponent(job.id)}`,
+    textContent: job.prompt});
   hint.textContent = [madeAt(job.created_at), job.seed != null ? `seed ${job.seed}` : null, job.size,
     plural(job.num_frames, "frame"), job.params ? plural(job.params.num_inference_steps, "step") : null,
     models().length > 1 ? job.model : null, job.replica].filter(Boolean).join(" · ");
@@ -620,7 +626,9 @@ function start() {
   $("mine-title").tabIndex = -1;
   $("more").addEventListener("click", () => loadMore().catch((err) => announce(`Could not load more: ${err.message}`)));
   const from = new URLSearchParams(location.search).get("from");
-  if (from) prefillFrom(from).catch((err) => { $("form-error").textContent = `Could not read that video: ${err.message}`; });
+  if (from) {
+    prefillFrom(from).catch((err) => { $("form-error").textContent = `Could not read that video: ${err.message}`; });
+  }
   renderMine();
   fillCompared(mine()).then(renderMine);
   fillEnded(mine()).then(renderMine);

@@ -79,7 +79,8 @@ function show(job) {
     () => { $("first-frame").hidden = true; });
   load(player, job);
   metaInto($("inputs"), [["Prompt", job.prompt], ["Negative prompt", p.negative_prompt || "(none)"],
-    ["Size", job.size], ["Length", `${job.num_frames} frames at ${job.fps} fps (${(job.num_frames / job.fps).toFixed(1)} s)`],
+    ["Size", job.size],
+    ["Length", `${job.num_frames} frames at ${job.fps} fps (${(job.num_frames / job.fps).toFixed(1)} s)`],
     ["Steps", p.num_inference_steps], ["Guidance", p.guidance_scale != null ? p.guidance_scale.toFixed(1) : null],
     ["Guidance (low noise)", p.guidance_scale_2],
     ["Boundary ratio", p.boundary_ratio], ["Seed", p.seed], ["Priority", job.priority], ["Fidelity", p.quality],
@@ -95,7 +96,8 @@ function show(job) {
     ["Frames sha256", job.frames_sha256], ["Video sha256", job.video_sha256], ["Job id", job.id]]);
   const rerun = $("rerun");
   rerun.textContent = `Re-run${job.priority ? ` (${job.priority})` : ""}`;
-  rerun.setAttribute("aria-label", `Re-run with the same inputs${job.priority ? ` and priority (${job.priority})` : ""}`);
+  rerun.setAttribute("aria-label",
+    `Re-run with the same inputs${job.priority ? ` and priority (${job.priority})` : ""}`);
   rerun.disabled = !job.params || p.image_sha256 != null;
   if (p.image_sha256 != null) {
     $("note").textContent = "This video started from an uploaded first frame, which the gateway does not keep: " +
@@ -218,7 +220,8 @@ async function copy(kind) {
     await navigator.clipboard.writeText(text);
     $("note").textContent = `Copied as ${what}; it is shown below too.`;
   } catch (_) {
-    $("note").textContent = `This browser did not let the page copy: the request as ${what} is below, to select and copy.`;
+    $("note").textContent =
+      `This browser did not let the page copy: the request as ${what} is below, to select and copy.`;
   }
 }
 
