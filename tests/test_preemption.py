@@ -145,11 +145,16 @@ def test_replicadp_preempt_lets_an_interactive_request_run_first_and_the_batch_o
         # A preempted request cancelled while it is queued again: its checkpoint goes with it.
         doomed = on.app.send_task("replicadp.generate", kwargs=lasting(8, prompt="doomed", priority="batch"))
         wait_for_step(on, doomed.id, 2)
-        first = on.app.send_task("replicadp.generate", kwargs=lasting(4, prompt="first", priority="interactive"))
+        # The interactive request it is stopped for lasts far longer than a CLI call takes on a loaded machine, so
+        # the cancel lands while the doomed one waits (a 4 s one ended first once, and the doomed one went on), and
+        # is cancelled in turn once it has.
+        first = on.app.send_task("replicadp.generate", kwargs=lasting(30, prompt="first", priority="interactive"))
         assert cli("preempt", doomed.id).returncode == 0
         wait_for(lambda: client.exists(CHECKPOINT_KEY + doomed.id), "the doomed request's checkpoint")
         cancelled = cli("cancel", doomed.id)
-        first.get(timeout=60)
+        assert cli("cancel", first.id).returncode == 0
+        with pytest.raises(Exception, match="cancelled"):
+            first.get(timeout=60)
         with pytest.raises(Exception, match="cancelled before it started"):
             doomed.get(timeout=60)
     finally:
