@@ -569,13 +569,16 @@ def test_each_api_key_sees_only_its_own_jobs(redis_db):
         assert gw.client.get(f"/v1/videos/{theirs}", headers=auth(KEYS[1])).json()["status"] == "queued"
 
 
-def made_with(gw, key: str | None, request: dict) -> str:
-    """The id of a job made through `gw` with `key` (None: none), once it has completed."""
-    headers = auth(key) if key else {}
-    job_id = gw.client.post("/v1/videos", files=multipart(form_of(request)), headers=headers).json()["id"]
-    wait_for(lambda: gw.client.get(f"/v1/videos/{job_id}", headers=headers).json()["status"] == "completed",
-             f"job {job_id} to complete")
-    return job_id
+def send(gw, request: dict, key: str | None = None) -> str:
+    """POST /v1/videos of a request (helpers.lasting's), the job id."""
+    r = gw.client.post("/v1/videos", files=multipart(form_of(request)), headers=auth(key) if key else None)
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def completed(gw, job_id: str, key: str | None = None) -> dict:
+    return wait_for(lambda: (j := gw.client.get(f"/v1/videos/{job_id}", headers=auth(key) if key else None).json())
+                    ["status"] == "completed" and j, f"{job_id} to complete")
 
 
 def test_a_signed_link_reads_its_videos_files_without_the_key_and_nothing_else(slow):
@@ -584,7 +587,9 @@ def test_a_signed_link_reads_its_videos_files_without_the_key_and_nothing_else(s
     route, a changed or past expiry, or a key the gateway does not have; another key asking for the links gets
     404, as for the job. Without keys, the links are the plain paths."""
     with gateway(slow.redis_url, "links", "--api-key", KEYS[0], "--api-key", KEYS[1]) as gw:
-        mine, theirs = made_with(gw, KEYS[0], lasting(0.2, seed=1)), made_with(gw, KEYS[1], lasting(0.2, seed=2))
+        mine, theirs = (send(gw, lasting(0.2, seed=n), key=key) for n, key in enumerate(KEYS, 1))
+        completed(gw, mine, key=KEYS[0])
+        completed(gw, theirs, key=KEYS[1])
         asked = time.time()
         links = gw.client.get(f"/v1/videos/{mine}/links", headers=auth(KEYS[0])).json()
         assert asked + LINK_S <= links["expires_at"] <= asked + LINK_S + LINK_STEP_S + 1, links
@@ -606,7 +611,8 @@ def test_a_signed_link_reads_its_videos_files_without_the_key_and_nothing_else(s
             assert refused.status_code == 401 and says in refused.json()["error"]["message"], (link, refused.text)
         assert gw.client.delete(links["content"].replace("/content", "")).status_code == 401
         assert gw.client.get(f"/v1/videos/{mine}/links", headers=auth(KEYS[1])).status_code == 404
-    keyless = made_with(slow, None, lasting(0.2, seed=3))
+    keyless = send(slow, lasting(0.2, seed=3))
+    completed(slow, keyless)
     assert slow.client.get(f"/v1/videos/{keyless}/links").json() == {
         "object": "video.links", "content": f"/v1/videos/{keyless}/content",
         "poster": f"/v1/videos/{keyless}/poster", "expires_at": None}

@@ -21,7 +21,8 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.select import Select
-from test_http import SMALL, auth, form_of, gateway, live, multipart, result_meta, slow  # noqa: F401 (fixtures)
+from test_http import (SMALL, auth, completed, form_of, gateway, live, multipart, result_meta, send,  # noqa: F401
+                       slow)
 
 from replicadp_tasks.contract import READY, RequestState
 from replicadp_tasks.model import save_tiny_lora
@@ -153,18 +154,6 @@ def my_request(driver, listed: tuple[str, ...] = ()) -> str:
 
 def item(driver, job_id: str, what: str):
     return js(driver, f"const li = document.querySelector('#requests li[data-id=\"{job_id}\"]'); return li && {what}")
-
-
-def send(gw, request: dict, key: str | None = None) -> str:
-    """POST /v1/videos of a request (helpers.lasting's), the job id."""
-    r = gw.client.post("/v1/videos", files=multipart(form_of(request)), headers=auth(key) if key else None)
-    assert r.status_code == 200, r.text
-    return r.json()["id"]
-
-
-def completed(gw, job_id: str, key: str | None = None) -> dict:
-    return wait_for(lambda: (j := gw.client.get(f"/v1/videos/{job_id}", headers=auth(key) if key else None).json())
-                    ["status"] == "completed" and j, f"{job_id} to complete")
 
 
 def watch_phases(driver, job_id: str):
